@@ -1,0 +1,49 @@
+"""
+### lifecycle_emails
+
+Hourly lifecycle campaigns (declared in `include/mailflow/campaigns/lifecycle.toml`), highest
+priority first. Each run selects audiences from **its own data interval** (an interval timetable,
+so `[data_interval_start, data_interval_end)` is one real hour), excludes anyone emailed by any
+campaign within the cooldown or suppressed, mints send-log rows one chunk (<= 100) at a time,
+sends each chunk as one `POST /emails/batch` and reconciles rejections by index.
+
+* Time budget: checked between chunks, never inside one; what is left waits for the next run.
+* Retries of this task are safe: the send log's unique key and the cooldown skip what was minted.
+* Connections: `send_log_db` (Postgres), `resend_default` (API key = password), `mail_unsubscribe`.
+* Pool `email_provider` bounds concurrent send tasks; the shared pacer in Postgres enforces the rate.
+"""
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
+
+with DAG(
+    dag_id="lifecycle_emails",
+    schedule=CronDataIntervalTimetable("0 * * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    default_args={"owner": "data-eng", "retries": 2, "retry_delay": timedelta(minutes=2)},
+    tags=["email", "lifecycle", "mailflow"],
+    doc_md=__doc__,
+    params={
+        "time_budget_seconds": Param(240, type="integer", minimum=10, maximum=3000,
+                                     description="Stop minting new chunks after this many seconds (checked between chunks)."),
+        "chunk_size": Param(100, type="integer", minimum=1, maximum=100,
+                            description="Emails per batch request (provider limit: 100)."),
+        "campaigns": Param([], type="array", items={"type": "string"},
+                           description="Run only these campaigns (names from lifecycle.toml); empty = all."),
+        "dry_run": Param(False, type="boolean",
+                         description="Only count audiences and render a sample; mint and send nothing."),
+    },
+) as dag:
+
+    @task(pool="email_provider", execution_timeout=timedelta(minutes=15))
+    def send_campaigns(**context) -> list[dict]:
+        """Send every campaign for this run's data interval; returns per-campaign counts."""
+        from mailflow.tasks import lifecycle
+
+        return lifecycle(context)
+
+    send_campaigns()

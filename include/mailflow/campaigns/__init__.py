@@ -1,0 +1,102 @@
+"""Campaign declarations: version-controlled TOML + audience SQL files + Jinja2 templates.
+
+``load_campaigns()`` reads ``campaigns/lifecycle.toml`` (or another file) and returns the campaigns
+sorted by priority (1 = highest). Validation errors name the campaign and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from mailflow.model import DataInterval, as_timedelta
+
+CAMPAIGNS_DIR = Path(__file__).parent
+_REQUIRED = ("name", "priority", "audience", "template", "subject")
+
+
+@dataclass(frozen=True)
+class Campaign:
+    """One lifecycle campaign.
+
+    :ivar priority: 1 is the highest; campaigns run in ascending priority and a minted row excludes
+        the user from every later campaign of the run (cooldown).
+    :ivar audience_sql: the campaign's own rule (SQL text, ``%(window_start)s``/``%(window_end)s``).
+    :ivar cooldown: nobody with a live or sent email (any campaign) within this span is selected.
+    :ivar audience_window: the audience looks at ``[interval.end - audience_window, interval.end)``.
+    """
+
+    name: str
+    priority: int
+    audience_sql: str
+    template: str
+    subject: str
+    from_address: str
+    reply_to: str | None
+    cooldown: timedelta
+    audience_window: timedelta
+    marketing: bool = True
+
+    def window(self, interval: DataInterval) -> tuple:
+        """Return ``(window_start, window_end)`` (aware, UTC) for a run's data interval."""
+        width = max(self.audience_window, interval.end - interval.start)
+        return interval.end - width, interval.end
+
+
+def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> list[Campaign]:
+    """Load and validate campaigns from a TOML file, sorted by priority.
+
+    :param only: keep just these campaign names (a DAG Param); unknown names raise.
+    :raises ValueError: naming the campaign and field for a missing field, a duplicate name or
+        priority, a bad duration, or a missing audience/template file.
+    """
+    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
+    doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    defaults = doc.get("defaults", {})
+    out: list[Campaign] = []
+    for i, raw in enumerate(doc.get("campaign", [])):
+        merged = {**defaults, **raw}
+        label = merged.get("name", f"campaign #{i + 1}")
+        missing = [k for k in _REQUIRED if k not in merged]
+        if missing:
+            raise ValueError(f"{path.name}: campaign {label!r} lacks {', '.join(missing)}")
+        base = path.parent
+        audience = base / merged["audience"]
+        if not audience.is_file():
+            raise ValueError(f"{path.name}: campaign {label!r}: audience file {audience} not found")
+        for suffix in (".html.j2", ".txt.j2"):
+            t = base / "templates" / f"{merged['template']}{suffix}"
+            if not t.is_file():
+                raise ValueError(f"{path.name}: campaign {label!r}: template {t} not found")
+        try:
+            cooldown = as_timedelta(merged.get("cooldown", "P7D"))
+            window = as_timedelta(merged.get("audience_window", "PT1H"))
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: campaign {label!r}: {exc}") from None
+        out.append(
+            Campaign(
+                name=str(merged["name"]),
+                priority=int(merged["priority"]),
+                audience_sql=audience.read_text(encoding="utf-8").strip().rstrip(";"),
+                template=str(merged["template"]),
+                subject=str(merged["subject"]),
+                from_address=str(merged["from"]),
+                reply_to=merged.get("reply_to"),
+                cooldown=cooldown,
+                audience_window=window,
+                marketing=bool(merged.get("marketing", True)),
+            )
+        )
+    names = [c.name for c in out]
+    for label, values in (("name", names), ("priority", [str(c.priority) for c in out])):
+        dup = {v for v in values if values.count(v) > 1}
+        if dup:
+            raise ValueError(f"{path.name}: duplicate campaign {label}: {sorted(dup)}")
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ValueError(f"unknown campaign(s) {unknown}; declared: {names}")
+        out = [c for c in out if c.name in only]
+    return sorted(out, key=lambda c: c.priority)

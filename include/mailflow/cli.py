@@ -1,0 +1,118 @@
+"""``mailflow`` command line: migrate, report, audit (send log vs. the emulator outbox).
+
+Usage::
+
+    mailflow migrate --dsn postgresql://...
+    mailflow report  --dsn ...                 # per-campaign counts by state
+    mailflow audit   --dsn ... --outbox PATH   # invariants: sent rows <-> delivered emails
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+
+def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    """Rows ``(campaign, total, sent, failed, sending, pending, cancelled, rolled_back)`` by campaign."""
+    return conn.execute(
+        """
+        select campaign, count(*) filter (where released_at is null),
+               count(*) filter (where status = 'sent'),
+               count(*) filter (where status = 'failed' and released_at is null),
+               count(*) filter (where status = 'sending'),
+               count(*) filter (where status = 'pending'),
+               count(*) filter (where status = 'cancelled'),
+               count(*) filter (where released_at is not null)
+        from mail.send_log group by campaign order by campaign
+        """
+    ).fetchall()
+
+
+def audit(conn: psycopg.Connection, outbox: Path) -> dict[str, int]:
+    """Compare the send log with the provider's outbox (the witness of what was delivered).
+
+    Each outbox line carries the ``X-Mailflow-Send-Id`` header of the row it came from.
+    :returns: counts that must all be 0 except ``delivered`` and ``sent_rows``:
+        ``duplicate_deliveries`` (same user+campaign delivered more than once),
+        ``sent_without_delivery`` (sent rows with no outbox email), ``delivered_without_sent``
+        (outbox emails whose row is not sent), ``provider_id_mismatch`` (row's provider id differs).
+    """
+    delivered: list[dict[str, Any]] = []
+    if outbox.exists():
+        with outbox.open(encoding="utf-8") as fh:
+            delivered = [json.loads(line) for line in fh if line.strip()]
+    rows = {r[0]: r for r in conn.execute(
+        "select id, user_id, campaign, status, provider_message_id from mail.send_log").fetchall()}
+    by_row: Counter[int] = Counter()
+    per_user_campaign: Counter[tuple[Any, ...]] = Counter()
+    mismatch = without_sent = 0
+    for d in delivered:
+        headers = {str(k).lower(): v for k, v in (d.get("headers") or {}).items()}
+        sid = int(headers.get("x-mailflow-send-id", -1))
+        by_row[sid] += 1
+        row = rows.get(sid)
+        per_user_campaign[(row[1], row[2]) if row else ("unknown row", sid)] += 1
+        if row is None or row[3] != "sent":
+            without_sent += 1
+        elif row[4] != d.get("id"):
+            mismatch += 1
+    sent_rows = [r for r in rows.values() if r[3] == "sent"]
+    return {
+        "delivered": len(delivered),
+        "sent_rows": len(sent_rows),
+        "duplicate_deliveries": sum(n - 1 for n in per_user_campaign.values() if n > 1),
+        "sent_without_delivery": sum(1 for r in sent_rows if by_row[r[0]] == 0),
+        "delivered_without_sent": without_sent,
+        "provider_id_mismatch": mismatch,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mailflow`` command."""
+    p = argparse.ArgumentParser(prog="mailflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dsn", default=os.environ.get("MAILFLOW_DSN"), help="send-log database (or MAILFLOW_DSN)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("migrate", help="apply pending migrations")
+    sub.add_parser("report", help="per-campaign counts by state")
+    a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation")
+    a.add_argument("--outbox", type=Path, required=True)
+    args = p.parse_args(argv)
+    if not args.dsn:
+        p.error("--dsn or MAILFLOW_DSN is required")
+    with psycopg.connect(args.dsn, autocommit=True) as conn:
+        if args.cmd == "migrate":
+            from mailflow.migrate import migrate
+
+            applied = migrate(conn)
+            print("applied: " + ", ".join(applied) if applied else "schema up to date")
+        elif args.cmd == "report":
+            head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
+            print_table(head, report(conn))
+        else:
+            result = audit(conn, args.outbox)
+            print(json.dumps(result, indent=2))
+            bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
+            return 1 if bad else 0
+    return 0
+
+
+def print_table(head: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+    """Print an aligned text table."""
+    cells = [tuple(str(c) for c in head)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    for n, r in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,648 @@
+"""A Resend-compatible HTTP emulator: the test double, the demo's email API and the benchmark's provider.
+
+Built to ``/work/shared/reference/resend-openapi.yaml`` (POST /emails, POST /emails/batch, GET /emails,
+GET /emails/{id}, GET /domains) and to every point of ``resend-contract.md`` ("the contract" below):
+batch validation modes, Idempotency-Key semantics, rate-limit headers, quota errors, error bodies.
+
+Honesty rules: an email is "accepted" only once its outbox line is written and flushed; idempotent
+replays write nothing; faults are drawn from a seeded ``random.Random`` so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import random
+import re
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, fields, replace
+from datetime import UTC, datetime
+from email.utils import formatdate
+from functools import lru_cache
+from typing import Any
+
+from email_validator import EmailNotValidError, validate_email
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+log = logging.getLogger("mailflow.emulator")
+
+ADDRESS_FORMAT = "needs to follow the `email@example.com` or `Name <email@example.com>` format."
+MAX_BATCH = 100  # contract "POST /emails/batch": 1 to 100 emails
+MAX_RECIPIENTS = 50  # spec SendEmailRequest.to: max 50
+MAX_IDEMPOTENCY_KEY = 256  # contract "Idempotency-Key": 1 to 256 characters
+_TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # spec Tag.name / Tag.value
+_TEST_DOMAIN_EVENTS = {"bounced": "bounced", "complained": "complained", "delivered": "delivered"}
+
+
+@dataclass
+class EmulatorConfig:
+    """Emulator settings. Fields marked (runtime) can be changed through ``POST /_emulator/config``.
+
+    Rates are fractions in [0, 1]; durations are named with their unit. ``clock`` returns epoch
+    seconds and is injectable (idempotency TTL and the rate-limit window use it).
+    """
+
+    outbox: str | None = None  # JSON-lines file, one line per accepted email (None: no file)
+    api_keys: tuple[str, ...] = ("re_test_emulator",)
+    control: bool = True  # register the unauthenticated /_emulator/* control API
+    rate_limit: float = 10.0  # (runtime) requests per second per API key, sliding 1 s window; 0 = off
+    quota_emails: int | None = None  # (runtime) accepted emails before 429 daily_quota_exceeded
+    error_rate: float = 0.0  # (runtime) POSTs answered 500 internal_server_error before processing
+    latency_ms: float = 0.0  # (runtime) added to every API request
+    latency_jitter_ms: float = 0.0  # (runtime) uniform extra 0..jitter
+    timeout_rate: float = 0.0  # (runtime) requests that hang hang_seconds, then 500, nothing sent
+    hang_seconds: float = 30.0  # (runtime)
+    reset_after_accept_rate: float = 0.0  # (runtime) sends accepted + recorded, response lost
+    reset_mode: str = "abort"  # (runtime) "abort": truncated response, connection closed; "hang"
+    strict_only: bool = False  # (runtime) ignore x-batch-validation: permissive
+    scramble_order: bool = False  # (runtime) shuffle batch `data` order: a deliberately broken provider
+    bounce: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "bounced"
+    complain: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "complained"
+    retry_after_style: str = "seconds"  # (runtime) "seconds" | "fraction" | "http-date" (contract)
+    store_bodies: bool = True  # (runtime) keep html/text in memory for GET /emails/{id}
+    domain: str = "mailflow.example"  # the one fake verified domain of GET /domains ("" = none)
+    seed: int = 0  # (runtime) seeds the fault RNG (re-seeded on reset)
+    idempotency_ttl_seconds: float = 86400.0  # contract: keys kept for 24 hours
+    clock: Any = time.time  # () -> epoch seconds
+
+    def __post_init__(self) -> None:
+        self.api_keys = tuple(self.api_keys)
+        self.bounce = tuple(a.strip().lower() for a in self.bounce)
+        self.complain = tuple(a.strip().lower() for a in self.complain)
+
+    def public(self) -> dict[str, Any]:
+        """The JSON-serialisable settings (everything but ``clock``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "clock"}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+_RUNTIME = {
+    "rate_limit", "quota_emails", "error_rate", "latency_ms", "latency_jitter_ms", "timeout_rate",
+    "hang_seconds", "reset_after_accept_rate", "reset_mode", "strict_only", "scramble_order",
+    "bounce", "complain", "retry_after_style", "store_bodies", "seed",
+}
+_CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date")}
+
+
+def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig:
+    """Return ``cfg`` with a partial ``update`` applied; ValueError on an unknown key or bad value."""
+    changes: dict[str, Any] = {}
+    for key, value in update.items():
+        if key not in _RUNTIME:
+            raise ValueError(f"unknown or read-only setting {key!r}")
+        if key in ("bounce", "complain"):
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list | tuple) or not all(isinstance(a, str) for a in items):
+                raise ValueError(f"{key} must be a list of addresses")
+            value = tuple(items)
+        elif key in ("strict_only", "scramble_order", "store_bodies"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be a boolean")
+        elif key in _CHOICES:
+            if value not in _CHOICES[key]:
+                raise ValueError(f"{key} must be one of {_CHOICES[key]}")
+        elif key in ("quota_emails", "seed"):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key} must be a non-negative integer or null")
+            if key == "seed" and value is None:
+                raise ValueError("seed must be an integer")
+        else:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{key} must be a non-negative number")
+            if key.endswith("_rate") and key != "rate_limit" and value > 1:
+                raise ValueError(f"{key} is a fraction in [0, 1]")
+            value = float(value)
+        changes[key] = value
+    return replace(cfg, **changes)
+
+
+class ApiError(Exception):
+    """An error answered with Resend's body ``{"statusCode", "name", "message"}`` (contract "Errors")."""
+
+    def __init__(self, status: int, name: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.name, self.message, self.headers = status, name, message, headers or {}
+
+
+def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def _error(err: ApiError, headers: dict[str, str] | None = None) -> Response:
+    body = {"statusCode": err.status, "name": err.name, "message": err.message}
+    return _json(err.status, body, {**(headers or {}), **err.headers})
+
+
+# A conservative dot-atom subset that email_validator always accepts when the domain is valid:
+# lets a batch of 100 unique recipients skip 100 full validations (the domain is checked once).
+_SIMPLE_ADDR = re.compile(r"^[A-Za-z0-9_%+-]+(?:\.[A-Za-z0-9_%+-]+)*@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)$")
+
+
+@lru_cache(maxsize=65536)
+def _full_check(value: str) -> str | None:
+    try:
+        info = validate_email(value, check_deliverability=False, allow_display_name=True)
+    except EmailNotValidError:
+        return None
+    return str(info.normalized).lower()
+
+
+def _check_address(value: str) -> str | None:
+    """The normalised lower-case address of ``addr`` or ``Name <addr>``, or None if invalid.
+
+    The verdict is email_validator's (check_deliverability=False); simple addresses reuse its
+    cached verdict on their domain.
+    """
+    value = value.strip()
+    m = _SIMPLE_ADDR.match(value)
+    if m and len(value) <= 254 and value.index("@") <= 64:
+        return value.lower() if _full_check("x@" + m.group(1)) is not None else None
+    return _full_check(value)
+
+
+def _addresses(email: dict[str, Any], field: str, required: bool) -> list[str]:
+    """Validate an address field (string or list); returns it as a list of the given strings."""
+    value = email.get(field)
+    if value is None:
+        if required:
+            raise ApiError(422, "missing_required_field", f"Missing `{field}` field.")
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(a, str) for a in items):
+        raise ApiError(422, "validation_error", f"Invalid `{field}` field. The email address {ADDRESS_FORMAT}")
+    if len(items) > MAX_RECIPIENTS:
+        raise ApiError(422, "validation_error", f"Too many recipients in `{field}`: the maximum is {MAX_RECIPIENTS}.")
+    for addr in items:
+        if _check_address(addr) is None:
+            raise ApiError(422, "validation_error", f"Invalid `{field}` field. The email address {ADDRESS_FORMAT}")
+    return [a.strip() for a in items]
+
+
+def validate_email_payload(email: Any, in_batch: bool) -> dict[str, Any]:
+    """Check one email object like Resend does; return its normalised fields or raise ApiError(422)."""
+    if not isinstance(email, dict):
+        raise ApiError(422, "validation_error", "Each email must be a JSON object.")
+    frm = email.get("from")
+    if frm is None:
+        raise ApiError(422, "missing_required_field", "Missing `from` field.")
+    if not isinstance(frm, str) or _check_address(frm) is None:
+        raise ApiError(422, "validation_error", f"Invalid `from` field. The email address {ADDRESS_FORMAT}")
+    to = _addresses(email, "to", required=True)
+    subject = email.get("subject")
+    if subject is None:
+        raise ApiError(422, "missing_required_field", "Missing `subject` field.")
+    if not isinstance(subject, str) or not subject.strip():
+        raise ApiError(422, "validation_error", "Invalid `subject` field. It must be a non-empty string.")
+    html, text = email.get("html"), email.get("text")
+    for name, val in (("html", html), ("text", text)):
+        if val is not None and not isinstance(val, str):
+            raise ApiError(422, "validation_error", f"Invalid `{name}` field. It must be a string.")
+    if not html and not text:
+        raise ApiError(422, "validation_error", "Missing `html` or `text` field.")
+    headers = email.get("headers") or {}
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise ApiError(422, "validation_error", "Invalid `headers` field. It must be an object of string values.")
+    tags = email.get("tags") or []
+    if not isinstance(tags, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and _TAG_RE.match(t["name"])
+        and isinstance(t.get("value", ""), str) and (t.get("value", "") == "" or _TAG_RE.match(t["value"]))
+        for t in tags
+    ):
+        raise ApiError(422, "validation_error", "Invalid `tags` field. Tag names and values can only contain "
+                       "ASCII letters, numbers, underscores or dashes, at most 256 characters.")
+    for name in ("attachments", "scheduled_at"):
+        if in_batch and email.get(name) is not None:
+            raise ApiError(422, "validation_error", f"`{name}` is not supported in batch emails.")
+    return {
+        "from": frm.strip(), "to": to, "subject": subject, "html": html, "text": text,
+        "cc": _addresses(email, "cc", False), "bcc": _addresses(email, "bcc", False),
+        "reply_to": _addresses(email, "reply_to", False), "headers": headers, "tags": tags,
+        "scheduled_at": email.get("scheduled_at"), "attachments": len(email.get("attachments") or []),
+    }
+
+
+def _sha(value: str | None) -> str | None:
+    return hashlib.sha256(value.encode()).hexdigest() if value is not None else None
+
+
+class _AbortedResponse(Response):
+    """Sends 200 headers announcing a body, then returns without it: uvicorn closes the connection,
+    so the client sees a transport error (httpx.RemoteProtocolError, requests ChunkedEncodingError)."""
+
+    def __init__(self, body_len: int, headers: dict[str, str]):
+        super().__init__(b"", 200, headers=headers, media_type="application/json")
+        self._announced = body_len
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        raw = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        raw.append((b"content-length", str(self._announced).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
+
+
+class Emulator:
+    """Shared state of one emulator: emails, idempotency records, rate windows, stats, outbox."""
+
+    def __init__(self, config: EmulatorConfig):
+        self.initial = config
+        self.cfg = config
+        self._outbox = open(config.outbox, "a", encoding="utf-8") if config.outbox else None
+        self.reset(keep_config=False, truncate=False)  # an existing outbox is appended to, never lost
+
+    # -- state -----------------------------------------------------------------------------------
+    def reset(self, keep_config: bool, truncate: bool = True) -> None:
+        """Clear emails, idempotency records, rate windows and stats; truncate the outbox."""
+        if not keep_config:
+            self.cfg = self.initial
+        self.rng = random.Random(self.cfg.seed)
+        self.clock_offset = 0.0
+        self.emails: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.idem: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        self.inflight: set[tuple[str, str]] = set()
+        self.windows: dict[str, deque[float]] = {}
+        self.accepted = 0
+        self.stats: dict[str, Any] = {
+            "requests": 0, "accepted_emails": 0, "responses_by_status": {}, "errors_by_name": {},
+            "rate_limited": {}, "status_5xx": 0, "replays": 0, "conflicts": {}, "timeouts_injected": 0,
+            "resets_after_accept": 0, "outbox_lines": 0,
+        }
+        if self._outbox and truncate:
+            self._outbox.seek(0)
+            self._outbox.truncate()
+            self._outbox.flush()
+
+    def now(self) -> float:
+        return float(self.cfg.clock()) + self.clock_offset
+
+    def chance(self, rate: float) -> bool:
+        return rate >= 1.0 or (rate > 0.0 and self.rng.random() < rate)
+
+    def count(self, response: Response, name: str | None = None) -> Response:
+        """Record a response in the stats and return it."""
+        by_status = self.stats["responses_by_status"]
+        by_status[str(response.status_code)] = by_status.get(str(response.status_code), 0) + 1
+        if response.status_code >= 500:
+            self.stats["status_5xx"] += 1
+        if name:
+            self.stats["errors_by_name"][name] = self.stats["errors_by_name"].get(name, 0) + 1
+            bucket = "rate_limited" if response.status_code == 429 else "conflicts" if response.status_code == 409 else None
+            if bucket:
+                self.stats[bucket][name] = self.stats[bucket].get(name, 0) + 1
+        return response
+
+    # -- auth and rate limit ---------------------------------------------------------------------
+    def admit(self, request: Request) -> tuple[str, dict[str, str]]:
+        """Authenticate and count the request in its key's sliding 1 s window (contract "Rate limits").
+
+        Returns (api_key, ratelimit headers); raises ApiError 401/403/429.
+        """
+        self.stats["requests"] += 1
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer ") or not auth[7:].strip():
+            raise ApiError(401, "missing_api_key", "Missing API key in the authorization header. Include the "
+                           "following header in the request: Authorization: Bearer YOUR_API_KEY")
+        key = auth[7:].strip()
+        if key not in self.cfg.api_keys:
+            raise ApiError(403, "invalid_api_key", "API key is invalid")
+        limit = self.cfg.rate_limit
+        if limit <= 0:
+            return key, {}
+        now = self.now()
+        window = self.windows.setdefault(key, deque())
+        while window and window[0] <= now - 1.0:
+            window.popleft()
+        cap = max(1, int(limit))
+        reset = (window[0] + 1.0 - now) if window else 1.0
+        if len(window) >= cap:
+            headers = {"ratelimit-limit": str(cap), "ratelimit-remaining": "0",
+                       "ratelimit-reset": str(max(1, math.ceil(reset))), "retry-after": self._retry_after(reset)}
+            raise ApiError(429, "rate_limit_exceeded", "Too many requests. You can only make "
+                           f"{cap} requests per second. See rate limit response headers for more information.",
+                           headers)
+        window.append(now)
+        reset = window[0] + 1.0 - now
+        return key, {"ratelimit-limit": str(cap), "ratelimit-remaining": str(cap - len(window)),
+                     "ratelimit-reset": str(max(1, math.ceil(reset)))}
+
+    def _retry_after(self, seconds: float) -> str:
+        style = self.cfg.retry_after_style
+        if style == "fraction":
+            return f"{max(seconds, 0.001):.3f}"
+        if style == "http-date":
+            return formatdate(self.now() + max(1, math.ceil(seconds)), usegmt=True)
+        return str(max(1, math.ceil(seconds)))
+
+    async def latency(self) -> None:
+        delay = self.cfg.latency_ms + (self.rng.uniform(0, self.cfg.latency_jitter_ms) if self.cfg.latency_jitter_ms else 0)
+        if delay > 0:
+            await asyncio.sleep(delay / 1000.0)
+
+    async def api(self, request: Request, handler: Any) -> Response:
+        """Common envelope: auth, rate limit, injected timeout and latency, errors, stats."""
+        rl: dict[str, str] = {}
+        try:
+            key, rl = self.admit(request)
+            if self.chance(self.cfg.timeout_rate):
+                self.stats["timeouts_injected"] += 1
+                self.count(Response(status_code=500), "internal_server_error")
+                await asyncio.sleep(self.cfg.hang_seconds)
+                err = ApiError(500, "internal_server_error", "Emulated timeout: the request was not processed.")
+                return _error(err, rl)
+            return self.count(await handler(request, key, rl))
+        except ApiError as err:
+            return self.count(_error(err, {**rl, **err.headers}), err.name)
+
+    # -- sending ---------------------------------------------------------------------------------
+    async def send(self, request: Request, key: str, rl: dict[str, str]) -> Response:
+        """POST /emails and POST /emails/batch, with Idempotency-Key (contract "Idempotency-Key").
+
+        Keys are scoped per API key; the payload fingerprint is SHA-256 of the path and the exact body
+        bytes (the same key on the other endpoint is a different payload). Only 200 responses are
+        recorded (24 h, injectable clock): a 4xx/5xx leaves the key free for a corrected retry.
+        """
+        batch = request.url.path.endswith("/batch")
+        if self.chance(self.cfg.error_rate):
+            raise ApiError(500, "internal_server_error", "Emulated internal server error.")
+        idem = request.headers.get("idempotency-key")
+        if idem is not None and not 1 <= len(idem) <= MAX_IDEMPOTENCY_KEY:
+            raise ApiError(400, "invalid_idempotency_key",
+                           f"The key must be between 1-{MAX_IDEMPOTENCY_KEY} characters.")
+        body = await request.body()
+        digest = hashlib.sha256(request.url.path.encode() + b"\0" + body).hexdigest()
+        slot = (key, idem) if idem is not None else None
+        if slot is not None:
+            if slot in self.inflight:
+                raise ApiError(409, "concurrent_idempotent_requests", "Same idempotency key used while "
+                               "original request is still in progress.")
+            record = self._idem_get(slot)
+            if record is not None:
+                if record["digest"] != digest:
+                    raise ApiError(409, "invalid_idempotent_request",
+                                   "Same idempotency key used with a different request payload.")
+                self.stats["replays"] += 1
+                return Response(record["body"], record["status"], headers=rl, media_type="application/json")
+            self.inflight.add(slot)
+        try:
+            await self.latency()
+            status, payload, emails = self._accept(body, batch, request, idem)
+            out = json.dumps(payload, separators=(",", ":")).encode()
+            if slot is not None:
+                self.idem[slot] = {"digest": digest, "status": status, "body": out, "at": self.now()}
+                self._purge_idem()
+        finally:
+            if slot is not None:
+                self.inflight.discard(slot)
+        if emails and self.chance(self.cfg.reset_after_accept_rate):
+            self.stats["resets_after_accept"] += 1
+            log.info("reset_after_accept: %d email(s) accepted, response withheld (%s)", len(emails),
+                     self.cfg.reset_mode)
+            if self.cfg.reset_mode == "abort":
+                return _AbortedResponse(len(out), rl)
+            await asyncio.sleep(self.cfg.hang_seconds)
+        return Response(out, status, headers=rl, media_type="application/json")
+
+    def _idem_get(self, slot: tuple[str, str]) -> dict[str, Any] | None:
+        record = self.idem.get(slot)
+        if record is not None and self.now() - record["at"] >= self.cfg.idempotency_ttl_seconds:
+            del self.idem[slot]
+            return None
+        return record
+
+    def _purge_idem(self) -> None:
+        horizon = self.now() - self.cfg.idempotency_ttl_seconds
+        while self.idem:
+            slot, record = next(iter(self.idem.items()))
+            if record["at"] > horizon:
+                break
+            del self.idem[slot]
+
+    def _accept(self, body: bytes, batch: bool, request: Request, idem: str | None,
+                ) -> tuple[int, dict[str, Any], list[dict[str, Any]]]:
+        """Validate, apply the quota, write the outbox and store the emails. No await inside."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            raise ApiError(422, "validation_error", "The request body is not valid JSON.") from None
+        errors: list[dict[str, Any]] = []
+        permissive = False
+        valid: list[tuple[int | None, dict[str, Any]]] = []
+        if not batch:
+            valid.append((None, validate_email_payload(parsed, in_batch=False)))
+        else:
+            if not isinstance(parsed, list):
+                raise ApiError(422, "validation_error", "The request body must be a JSON array of emails.")
+            if not 1 <= len(parsed) <= MAX_BATCH:
+                raise ApiError(422, "validation_error",
+                               f"The batch must contain between 1 and {MAX_BATCH} emails, got {len(parsed)}.")
+            mode = (request.headers.get("x-batch-validation") or "strict").strip().lower()
+            if mode not in ("strict", "permissive"):
+                raise ApiError(422, "validation_error", "Invalid `x-batch-validation` header. "
+                               "It must be `strict` or `permissive`.")
+            permissive = mode == "permissive" and not self.cfg.strict_only
+            for i, item in enumerate(parsed):
+                try:
+                    valid.append((i, validate_email_payload(item, in_batch=True)))
+                except ApiError as err:
+                    if not permissive:
+                        raise ApiError(422, "validation_error", f"emails[{i}]: {err.message}") from None
+                    errors.append({"index": i, "message": err.message})
+        quota = self.cfg.quota_emails
+        if quota is not None and valid and self.accepted + len(valid) > quota:
+            raise ApiError(429, "daily_quota_exceeded", f"You have reached your daily email sending quota "
+                           f"({quota} emails, {self.accepted} used).")
+        now = self.now()
+        received = datetime.fromtimestamp(now, UTC)
+        stored = []
+        for index, email in valid:
+            stored.append({**email, "id": str(uuid.uuid4()), "batch_index": index, "idempotency_key": idem,
+                           "received_at": received.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                           "created_at": received.strftime("%Y-%m-%d %H:%M:%S.%f+00")})
+        self._write_outbox(stored)
+        keep = self.cfg.store_bodies
+        for rec in stored:
+            self.emails[rec["id"]] = rec if keep else {**rec, "html": None, "text": None}
+        self.accepted += len(stored)
+        self.stats["accepted_emails"] = self.accepted
+        if not batch:
+            return 200, {"id": stored[0]["id"]}, stored
+        data = [{"id": rec["id"]} for rec in stored]
+        if self.cfg.scramble_order:
+            self.rng.shuffle(data)
+        payload: dict[str, Any] = {"data": data}
+        if permissive:
+            payload["errors"] = errors
+        return 200, payload, stored
+
+    def _write_outbox(self, stored: list[dict[str, Any]]) -> None:
+        """Append one JSON line per email and flush, before any response is produced."""
+        if not stored:
+            return
+        lines = []
+        for r in stored:
+            line = {"id": r["id"], "from": r["from"], "to": r["to"], "cc": r["cc"], "bcc": r["bcc"],
+                    "reply_to": r["reply_to"], "subject": r["subject"], "headers": r["headers"],
+                    "tags": r["tags"], "idempotency_key": r["idempotency_key"], "batch_index": r["batch_index"],
+                    "received_at": r["received_at"], "text_sha256": _sha(r["text"]),
+                    "html_sha256": _sha(r["html"])}
+            lines.append(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n")
+        if self._outbox:
+            self._outbox.write("".join(lines))
+            self._outbox.flush()
+        self.stats["outbox_lines"] += len(lines)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def last_event(self, rec: dict[str, Any]) -> str:
+        """'bounced' / 'complained' if a recipient is configured so (or is bounced@resend.dev etc.)."""
+        if rec.get("scheduled_at"):
+            return "scheduled"
+        events = set()
+        for addr in rec["to"] + rec["cc"] + rec["bcc"]:
+            norm = _check_address(addr) or addr.lower()
+            local, _, domain = norm.partition("@")
+            if norm in self.cfg.bounce:
+                events.add("bounced")
+            elif norm in self.cfg.complain:
+                events.add("complained")
+            elif domain == "resend.dev" and local.split("+")[0] in _TEST_DOMAIN_EVENTS:
+                events.add(_TEST_DOMAIN_EVENTS[local.split("+")[0]])
+        return "bounced" if "bounced" in events else "complained" if "complained" in events else "delivered"
+
+    def email_object(self, rec: dict[str, Any], full: bool) -> dict[str, Any]:
+        obj = {"object": "email", "id": rec["id"], "to": rec["to"], "from": rec["from"],
+               "created_at": rec["created_at"], "subject": rec["subject"], "bcc": rec["bcc"] or None,
+               "cc": rec["cc"] or None, "reply_to": rec["reply_to"] or None,
+               "last_event": self.last_event(rec), "scheduled_at": rec["scheduled_at"]}
+        if full:
+            obj.update(html=rec["html"], text=rec["text"], tags=rec["tags"] or None)
+        return obj
+
+    async def get_email(self, request: Request, key: str, rl: dict[str, str]) -> Response:
+        """GET /emails/{email_id}: the spec's Email object, or 404 not_found."""
+        await self.latency()
+        rec = self.emails.get(request.path_params["email_id"])
+        if rec is None:
+            raise ApiError(404, "not_found", "Email not found")
+        return _json(200, self.email_object(rec, full=True), rl)
+
+    async def list_emails(self, request: Request, key: str, rl: dict[str, str]) -> Response:
+        """GET /emails?limit=&after=&before=: newest first, ``{"object":"list","has_more","data"}``."""
+        await self.latency()
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise ApiError(422, "validation_error", "The `limit` parameter must be between 1 and 100.")
+        after, before = q.get("after"), q.get("before")
+        if after is not None and before is not None:
+            raise ApiError(422, "validation_error", "Use only one of `after` and `before`.")
+        ids = list(reversed(self.emails))  # newest first
+        cursor = after if after is not None else before
+        if cursor is not None and cursor not in self.emails:
+            raise ApiError(422, "validation_error", "Invalid pagination cursor.")
+        if before is not None:  # the `limit` emails just newer than the cursor
+            stop = ids.index(before)
+            start = max(0, stop - limit)
+            page, has_more = ids[start:stop], start > 0
+        else:
+            start = ids.index(after) + 1 if after is not None else 0
+            page, has_more = ids[start:start + limit], len(ids) > start + limit
+        data = [self.email_object(self.emails[i], full=False) for i in page]
+        return _json(200, {"object": "list", "has_more": has_more, "data": data}, rl)
+
+    async def domains(self, request: Request, key: str, rl: dict[str, str]) -> Response:
+        """GET /domains: a cheap authenticated call for connection tests; one fake verified domain."""
+        await self.latency()
+        data = []
+        if self.cfg.domain:
+            data.append({"id": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.cfg.domain)), "name": self.cfg.domain,
+                         "status": "verified", "created_at": "2026-01-01 00:00:00.000000+00",
+                         "region": "us-east-1", "open_tracking": False, "click_tracking": False,
+                         "capabilities": {"sending": "enabled", "receiving": "disabled"}})
+        return _json(200, {"object": "list", "has_more": False, "data": data}, rl)
+
+    # -- control API -----------------------------------------------------------------------------
+    async def control_config(self, request: Request) -> Response:
+        """GET: the settings. POST: a partial update; ``advance_clock_seconds`` moves the clock on."""
+        if request.method == "POST":
+            try:
+                update = json.loads(await request.body() or b"{}")
+                if not isinstance(update, dict):
+                    raise ValueError("body must be a JSON object")
+                advance = update.pop("advance_clock_seconds", 0)
+                if isinstance(advance, bool) or not isinstance(advance, int | float):
+                    raise ValueError("advance_clock_seconds must be a number")
+                new = coerce_update(self.cfg, update)
+            except ValueError as exc:
+                return _error(ApiError(400, "invalid_parameter", str(exc)))
+            if "seed" in update:
+                self.rng = random.Random(new.seed)
+            self.cfg = new
+            self.clock_offset += float(advance)
+        return _json(200, self.cfg.public())
+
+    async def control_stats(self, request: Request) -> Response:
+        """Counters since the last reset, plus the in-memory sizes."""
+        return _json(200, {**self.stats, "emails_stored": len(self.emails), "idempotency_keys": len(self.idem),
+                           "inflight": len(self.inflight)})
+
+    async def control_reset(self, request: Request) -> Response:
+        """Clear state and stats, truncate the outbox; restores the startup settings unless
+        the body is ``{"keep_config": true}``."""
+        raw = await request.body()
+        keep = bool(json.loads(raw).get("keep_config")) if raw.strip() else False
+        self.reset(keep_config=keep)
+        return _json(200, {"ok": True})
+
+
+def create_app(config: EmulatorConfig) -> Starlette:
+    """Build the Starlette app. ``app.state.emulator`` is the :class:`Emulator` (for in-process tests)."""
+    emu = Emulator(config)
+
+    def api(handler: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await emu.api(request, handler)
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        return _json(200, {"status": "ok"})
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/emails", api(emu.send), methods=["POST"]),
+        Route("/emails", api(emu.list_emails), methods=["GET"]),
+        Route("/emails/batch", api(emu.send), methods=["POST"]),
+        Route("/emails/{email_id}", api(emu.get_email), methods=["GET"]),
+        Route("/domains", api(emu.domains), methods=["GET"]),
+    ]
+    if config.control:
+        routes += [
+            Route("/_emulator/config", emu.control_config, methods=["GET", "POST"]),
+            Route("/_emulator/stats", emu.control_stats, methods=["GET"]),
+            Route("/_emulator/reset", emu.control_reset, methods=["POST"]),
+        ]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        name = {404: "not_found", 405: "method_not_allowed"}.get(status, "application_error")
+        return _error(ApiError(status, name, str(getattr(exc, "detail", "")) or name))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", exc_info=exc)
+        emu.stats["status_5xx"] += 1
+        return _error(ApiError(500, "internal_server_error", "Unexpected error in the emulator."))
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.emulator = emu
+    return app

@@ -1,0 +1,139 @@
+"""The send loop: page -> mint -> render -> send one batch -> apply by index -> check the budget.
+
+The engine sees three narrow things: a :class:`~mailflow.store.Store` (the send log), a provider
+with ``send_batch(batch, deadline) -> Outcome`` and a :class:`~mailflow.clock.Clock`. It is tested
+without Airflow; the DAG only builds these from connections and calls :func:`run_lifecycle`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import partial
+from typing import Protocol
+
+from mailflow.campaigns import Campaign
+from mailflow.clock import Clock, SystemClock
+from mailflow.model import (
+    Accepted,
+    CampaignSummary,
+    DataInterval,
+    NotSent,
+    Outcome,
+    PreparedBatch,
+    RunContext,
+    SendError,
+)
+from mailflow.render import Renderer
+from mailflow.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 100  # Resend: POST /emails/batch takes 1 to 100 emails
+
+
+class BatchProvider(Protocol):
+    """Sends one prepared batch; see :meth:`mailflow.provider.client.ResendClient.send_batch`."""
+
+    def send_batch(self, batch: PreparedBatch, deadline: float) -> Outcome: ...
+
+
+def chunk_size_ok(chunk_size: int) -> int:
+    """Validate a chunk size (emails per batch request).
+
+    :raises ValueError: unless 1 <= chunk_size <= 100 (Resend's batch limit).
+    """
+    if not 1 <= int(chunk_size) <= MAX_BATCH:
+        raise ValueError(f"chunk_size must be between 1 and {MAX_BATCH} emails (provider batch limit), got {chunk_size}")
+    return int(chunk_size)
+
+
+def run_lifecycle(
+    store: Store,
+    provider: BatchProvider,
+    renderer: Renderer,
+    campaigns: Sequence[Campaign],
+    interval: DataInterval,
+    *,
+    run: RunContext | None = None,
+    budget_seconds: float = 240.0,
+    chunk_size: int = MAX_BATCH,
+    clock: Clock | None = None,
+) -> list[CampaignSummary]:
+    """Send every campaign's audience for one data interval, highest priority first.
+
+    Audiences use ``campaign.window(interval)`` and a cooldown since ``interval.end - cooldown``:
+    nothing here reads the wall clock for selection, so a backfill re-selects the audience of its
+    own interval. The time budget (seconds, monotonic) is checked between chunks only; what is not
+    minted when it runs out is left for the next run.
+
+    :returns: one :class:`CampaignSummary` per campaign, in priority order.
+    :raises SendError: after recording everything, if the provider refused the key or an idempotency
+        conflict needs a person, or a whole campaign's emails were rejected.
+    """
+    clock = clock or SystemClock()
+    run = run or RunContext()
+    chunk_size = chunk_size_ok(chunk_size)
+    deadline = clock.monotonic() + budget_seconds
+    summaries: list[CampaignSummary] = []
+    stop: str | None = None
+    fatal: list[str] = []
+    for campaign in sorted(campaigns, key=lambda c: c.priority):
+        summary = CampaignSummary(campaign=campaign.name)
+        summaries.append(summary)
+        window = campaign.window(interval)
+        cooldown_since = interval.end - campaign.cooldown
+        summary.eligible = store.count_audience(campaign, window, cooldown_since)
+        if stop is None and clock.monotonic() >= deadline:
+            stop = "time budget"
+        if stop is not None:
+            summary.stopped = stop
+            log.info("%s: %d eligible, not started (%s)", campaign.name, summary.eligible, stop)
+            continue
+        cursor = 0
+        while True:
+            if clock.monotonic() >= deadline:
+                summary.stopped = stop = "time budget"
+                break
+            minted = store.mint_chunk(
+                campaign, window, cooldown_since, after=cursor, limit=chunk_size, run=run,
+                interval=(interval.start, interval.end),
+                prepare=partial(renderer.prepare_batch, campaign),
+            )
+            if minted.page_size == 0:
+                break
+            cursor = minted.cursor
+            if minted.batch is None:
+                continue
+            batch = minted.batch
+            outcome = provider.send_batch(batch, deadline)
+            applied = store.apply(batch, outcome, run)
+            summary.chunks += 1
+            summary.minted += len(batch.row_ids)
+            summary.sent += applied.sent
+            summary.failed += applied.failed
+            summary.released += applied.released
+            summary.unknown += applied.unknown
+            log.info("%s chunk %d (%s): %d emails -> %d sent, %d rejected, %d rolled back, %d unknown%s",
+                     campaign.name, summary.chunks, batch.idempotency_key, len(batch.row_ids), applied.sent,
+                     applied.failed, applied.released, applied.unknown,
+                     "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
+            if not isinstance(outcome, Accepted):
+                if outcome.fatal:
+                    fatal.append(f"{campaign.name}: {outcome.reason}")
+                if outcome.stop_run:
+                    summary.stopped = stop = outcome.stop_run
+                    break
+                if isinstance(outcome, NotSent):
+                    # Whole request failed after retries: the rows are rolled back; go on with the
+                    # next page, the next run retries these users.
+                    continue
+        if summary.minted and summary.failed == summary.minted:
+            fatal.append(f"{campaign.name}: every one of {summary.minted} emails was rejected by the provider")
+        log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, skipped %d%s",
+                 campaign.name, summary.eligible, summary.minted, summary.sent, summary.failed,
+                 summary.released, summary.unknown, summary.skipped,
+                 f" (stopped: {summary.stopped})" if summary.stopped else "")
+    if fatal:
+        raise SendError("; ".join(fatal), summaries)
+    return summaries

@@ -1,0 +1,163 @@
+"""Plain data shapes shared by the engine, the store and the provider (no I/O here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class DataInterval:
+    """A run's half-open data interval ``[start, end)``; both aware datetimes (stored as UTC).
+
+    :raises ValueError: if a bound is naive or ``end < start``.
+    """
+
+    start: datetime
+    end: datetime
+
+    def __post_init__(self) -> None:
+        if self.start.tzinfo is None or self.end.tzinfo is None:
+            raise ValueError(f"data interval bounds must be timezone-aware: {self.start!r}, {self.end!r}")
+        if self.end < self.start:
+            raise ValueError(f"data interval end {self.end} is before its start {self.start}")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Who is writing: copied onto every send-log row and event (Airflow ids, or a tool's name)."""
+
+    dag_id: str | None = None
+    run_id: str | None = None
+    task_id: str | None = None
+
+
+@dataclass(frozen=True)
+class MintedRow:
+    """One claimed send-log row: ``id`` (send_log.id), ``user_id``, recipient snapshot ``email``,
+    and ``context`` (the audience's extra columns, a JSON object used by the templates)."""
+
+    id: int
+    user_id: int
+    email: str
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """The exact request for one chunk: ``row_ids[i]`` is the send-log row of request index ``i``.
+
+    ``body`` is the JSON array sent to ``POST /emails/batch``, byte-for-byte; every retry of this
+    batch sends these bytes under ``idempotency_key`` (Resend keeps keys 24 h).
+    """
+
+    idempotency_key: str
+    campaign: str
+    row_ids: tuple[int, ...]
+    body: bytes
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.row_ids) <= 100:
+            raise ValueError(f"a batch holds 1 to 100 emails (provider docs), got {len(self.row_ids)}")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The provider answered 2xx: ``ids`` maps request index -> provider email id, ``rejected`` maps
+    request index -> the provider's message. Every index of the request is in exactly one of them."""
+
+    ids: dict[int, str]
+    rejected: dict[int, str]
+    kind: Literal["accepted"] = "accepted"
+    stop_run: str | None = None
+
+
+@dataclass(frozen=True)
+class NotSent:
+    """The provider certainly delivered nothing of this batch (e.g. 5xx/429 on every attempt, no
+    ambiguous attempt): the chunk is rolled back. ``stop_run`` says why the run must stop, if it must;
+    ``fatal`` makes the task fail after the rollback (bad API key)."""
+
+    reason: str
+    stop_run: str | None = None
+    fatal: bool = False
+    kind: Literal["not_sent"] = "not_sent"
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """The provider may have accepted the batch (timeout or reset after sending, or a response that
+    does not add up): rows stay ``sending`` for the reconciler, which resends the same bytes under the
+    same key within 24 h. Never guessed."""
+
+    reason: str
+    stop_run: str | None = None
+    fatal: bool = False
+    kind: Literal["unknown"] = "unknown"
+
+
+Outcome = Accepted | NotSent | Unknown
+
+
+@dataclass
+class CampaignSummary:
+    """Counts for one campaign in one run (emails). ``eligible`` is the audience after exclusions at
+    the start of the campaign; ``skipped`` = eligible users not minted (time budget or stop)."""
+
+    campaign: str
+    eligible: int = 0
+    minted: int = 0
+    sent: int = 0
+    failed: int = 0
+    released: int = 0
+    unknown: int = 0
+    chunks: int = 0
+    stopped: str | None = None
+
+    @property
+    def skipped(self) -> int:
+        return max(self.eligible - self.minted, 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "campaign": self.campaign,
+            "eligible": self.eligible,
+            "minted": self.minted,
+            "sent": self.sent,
+            "failed": self.failed,
+            "released": self.released,
+            "unknown": self.unknown,
+            "skipped": self.skipped,
+            "chunks": self.chunks,
+            "stopped": self.stopped,
+        }
+
+
+class SendError(RuntimeError):
+    """Raised after a run has recorded everything it could, when a person must act (bad API key,
+    idempotency conflict, a whole campaign rejected). ``summaries`` holds the run's counts."""
+
+    def __init__(self, message: str, summaries: list[CampaignSummary] | None = None):
+        super().__init__(message)
+        self.summaries = summaries or []
+
+
+def iso(dt: datetime) -> str:
+    """ISO-8601 text of an aware datetime (for logs and JSON)."""
+    return dt.isoformat()
+
+
+def as_timedelta(text: str) -> timedelta:
+    """Parse a small ISO-8601 duration: ``P7D``, ``PT1H``, ``P1DT12H``, ``PT30M``, ``PT45S``.
+
+    :raises ValueError: naming the text if it is not such a duration (months/years are refused:
+        they have no fixed length).
+    """
+    import re
+
+    m = re.fullmatch(r"P(?:(\d+)W)?(?:(\d+)D)?(?:T(?:(\d+)H)?(?:(\d+)M)?(?:(\d+)S)?)?", text.strip())
+    if not m or text.strip() in ("P", "PT"):
+        raise ValueError(f"not an ISO-8601 duration in weeks/days/hours/minutes/seconds: {text!r}")
+    w, d, h, mi, s = (int(g) if g else 0 for g in m.groups())
+    return timedelta(weeks=w, days=d, hours=h, minutes=mi, seconds=s)

@@ -1,0 +1,270 @@
+"""Send-time planner for scheduled outreach campaigns (pure, deterministic, streaming).
+
+A campaign sends ``emails_per_day`` emails on each allowed local day, spread evenly in real elapsed
+time over that day's local business-hour windows in the campaign's IANA timezone.
+
+Rules (the single source of truth; the tests in ``tests/unit/test_planner.py`` pin them down):
+
+* **Eligible instants.** An instant is eligible on local date ``D`` iff its local wall-clock reading
+  (``instant.astimezone(zone)``) is on ``D`` and inside one of the windows (start inclusive, end
+  exclusive). Offsets are never cached: each day is split into constant-UTC-offset pieces found from
+  zoneinfo, and every window is intersected with every piece. Consequences at DST changes:
+
+  - spring forward: wall times in the gap do not exist, so a bound in the gap resolves to the instant
+    the clocks jumped to (02:00-03:30 on Europe/Berlin 2026-03-29 is 01:00-01:30 UTC);
+  - fall back: both passes of the repeated hour are eligible, i.e. a start bound resolves to its first
+    occurrence (fold=0) and an end bound to its last occurrence (fold=1); a window lying entirely in the
+    repeated hour (02:15-02:45) yields two disjoint stretches and never the time between them.
+
+* **Spreading.** With ``T`` the total eligible time of the day and ``N = emails_per_day``, slot ``k``
+  (``0 <= k < N``) is the instant ``floor(k * T / N)`` (microseconds) into the day's eligible
+  stretches laid end to end, so the first slot is the first eligible instant (e.g. 09:00).
+
+* **First day / floor.** Only eligible time at or after a floor counts: ``start`` on the first day,
+  one microsecond after the previous slot afterwards (this only bites in zones that fall back across
+  midnight). The ``N`` slots are spread over what remains; a day with less than ``N`` microseconds of
+  remaining eligible time (e.g. ``start`` after the last window) is skipped, as are days whose
+  weekday is not allowed. Output is therefore strictly increasing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time, timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+__all__ = ["PlanSpec", "PlanSummary", "Window", "load_zone", "plan_send_times", "summarize"]
+
+_HOUR = timedelta(hours=1)
+_SECOND = timedelta(seconds=1)
+_MICRO = timedelta(microseconds=1)
+_MAX_OFFSET = timedelta(hours=16)  # every UTC offset in tzdata, LMT included, is within +-16h
+_MAX_EMPTY_DAYS = 800  # safety valve: no real zone has this many allowed days without window time
+_TIME = r"(\d{1,2}):(\d{2})(?::(\d{2}))?"
+_WINDOW_RE = re.compile(rf"^\s*{_TIME}\s*-\s*{_TIME}\s*$")
+
+
+def load_zone(key: str) -> ZoneInfo:
+    """Return the ``ZoneInfo`` for IANA key ``key``; raise ``ValueError("unknown IANA timezone ...")``."""
+    try:
+        return ZoneInfo(key)
+    except (ZoneInfoNotFoundError, ValueError, TypeError):
+        raise ValueError(f"unknown IANA timezone {key!r}") from None
+
+
+def _fmt(t: time) -> str:
+    return t.strftime("%H:%M") if (t.second, t.microsecond) == (0, 0) else t.isoformat()
+
+
+@dataclass(frozen=True, order=True)
+class Window:
+    """A local wall-clock window ``[start, end)`` within one day (naive ``datetime.time`` values).
+
+    ``end`` is exclusive and must be after ``start``; windows cannot cross midnight (use two windows).
+    Raises ``ValueError`` naming the window otherwise.
+    """
+
+    start: time
+    end: time
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.start, time) or not isinstance(self.end, time):
+            raise ValueError(f"window bounds must be datetime.time values, got {self.start!r}-{self.end!r}")
+        if self.start.tzinfo is not None or self.end.tzinfo is not None:
+            raise ValueError(f"window {self} must use naive local times (the zone comes from PlanSpec)")
+        if self.start >= self.end:
+            raise ValueError(f"invalid window {self}: start must be before end (end is exclusive)")
+
+    def __str__(self) -> str:
+        return f"{_fmt(self.start)}-{_fmt(self.end)}"
+
+    @classmethod
+    def parse(cls, text: str) -> Window:
+        """Parse ``"HH:MM-HH:MM"`` (seconds optional, e.g. ``"09:00-12:00"``); raise ``ValueError``."""
+        m = _WINDOW_RE.match(text)
+        if not m:
+            raise ValueError(f"invalid window {text!r}: expected 'HH:MM-HH:MM'")
+        h1, m1, s1, h2, m2, s2 = (int(g or 0) for g in m.groups())
+        try:
+            start, end = time(h1, m1, s1), time(h2, m2, s2)
+        except ValueError:
+            raise ValueError(f"invalid window {text!r}: not a valid time of day") from None
+        return cls(start, end)
+
+
+_DEFAULT_WINDOWS = (Window(time(9), time(12)), Window(time(14), time(17)))
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """Campaign schedule settings; validated on construction (``ValueError`` with a clear message).
+
+    - ``timezone``: IANA key, e.g. ``"Europe/Berlin"``; windows and days are interpreted in it.
+    - ``emails_per_day``: sends per allowed local day, ``>= 1``.
+    - ``weekdays``: allowed **ISO** weekdays, ``1 = Monday .. 7 = Sunday`` (``date.isoweekday()``),
+      default Monday-Friday; at least one.
+    - ``windows``: non-empty, non-overlapping ``Window`` values (``"HH:MM-HH:MM"`` strings accepted);
+      stored sorted by start. Touching windows (``09:00-12:00``, ``12:00-13:00``) are allowed.
+    """
+
+    timezone: str = "Europe/Berlin"
+    emails_per_day: int = 20
+    weekdays: frozenset[int] = frozenset({1, 2, 3, 4, 5})
+    windows: tuple[Window, ...] = field(default=_DEFAULT_WINDOWS)
+
+    def __post_init__(self) -> None:
+        load_zone(self.timezone)
+        if isinstance(self.emails_per_day, bool) or not isinstance(self.emails_per_day, int):
+            raise ValueError(f"emails_per_day must be an int, got {self.emails_per_day!r}")
+        if self.emails_per_day < 1:
+            raise ValueError(f"emails_per_day must be >= 1, got {self.emails_per_day}")
+        days = frozenset(self.weekdays)
+        if not days:
+            raise ValueError("weekdays must contain at least one ISO weekday (1=Monday .. 7=Sunday)")
+        if bad := sorted((d for d in days if d not in range(1, 8)), key=repr):
+            raise ValueError(f"weekdays must be ISO weekday numbers 1..7 (1=Monday), got {bad}")
+        windows = tuple(sorted(Window.parse(w) if isinstance(w, str) else w for w in self.windows))
+        if not windows:
+            raise ValueError("windows must contain at least one window")
+        for a, b in zip(windows, windows[1:], strict=False):
+            if b.start < a.end:
+                raise ValueError(f"windows {a} and {b} overlap")
+        object.__setattr__(self, "weekdays", days)
+        object.__setattr__(self, "windows", windows)
+
+    @property
+    def zone(self) -> ZoneInfo:
+        """The ``ZoneInfo`` for ``timezone``."""
+        return load_zone(self.timezone)
+
+
+def _offset(zone: ZoneInfo, instant: datetime) -> timedelta:
+    off = instant.astimezone(zone).utcoffset()
+    assert off is not None
+    return off
+
+
+def _offset_pieces(
+    zone: ZoneInfo, lo: datetime, hi: datetime
+) -> Iterator[tuple[datetime, datetime, timedelta]]:
+    """Split UTC ``[lo, hi)`` into ``(from, to, utc_offset)`` pieces of constant offset.
+
+    Samples hourly and bisects to the second (tzdata transitions are whole UTC seconds); assumes at
+    most one transition per hour, which holds for every zone in tzdata.
+    """
+    cur, cur_off, t = lo, _offset(zone, lo), lo
+    while t < hi:
+        nxt = min(t + _HOUR, hi)
+        if _offset(zone, nxt) == cur_off:
+            t = nxt
+            continue
+        a, b = t, nxt  # offset(a) == cur_off != offset(b)
+        while b - a > _SECOND:
+            mid = a + (b - a) // _SECOND // 2 * _SECOND
+            a, b = (mid, b) if _offset(zone, mid) == cur_off else (a, mid)
+        yield cur, b, cur_off
+        cur, cur_off, t = b, _offset(zone, b), b
+    yield cur, hi, cur_off
+
+
+def _day_slots(spec: PlanSpec, zone: ZoneInfo, day: date, floor: datetime) -> list[datetime]:
+    """The ``emails_per_day`` UTC slots of local ``day`` at or after ``floor`` (``[]`` if no room)."""
+    midnight = datetime.combine(day, time(), tzinfo=UTC)
+    lo, hi = midnight - _MAX_OFFSET, midnight + timedelta(days=1) + _MAX_OFFSET
+    segments: list[tuple[datetime, datetime]] = []
+    for piece_from, piece_to, off in _offset_pieces(zone, lo, hi):
+        for w in spec.windows:
+            s = max(piece_from, floor, datetime.combine(day, w.start, tzinfo=UTC) - off)
+            e = min(piece_to, datetime.combine(day, w.end, tzinfo=UTC) - off)
+            if s < e:
+                segments.append((s, e))
+    segments.sort()
+    n = spec.emails_per_day
+    total = sum((e - s for s, e in segments), timedelta())
+    if total < n * _MICRO:
+        return []
+    slots: list[datetime] = []
+    seg_iter = iter(segments)
+    seg_start, seg_end = next(seg_iter)
+    passed = timedelta()  # eligible time in segments before the current one
+    for k in range(n):
+        target = total * k // n
+        while target >= passed + (seg_end - seg_start):
+            passed += seg_end - seg_start
+            seg_start, seg_end = next(seg_iter)
+        slots.append(seg_start + (target - passed))
+    return slots
+
+
+def plan_send_times(spec: PlanSpec, count: int, start: datetime) -> Iterator[datetime]:
+    """Yield ``count`` send instants as aware UTC datetimes (``tzinfo=datetime.UTC``), strictly increasing.
+
+    Recipient ``i`` gets the ``i``-th instant. ``start`` must be timezone-aware; nothing is planned
+    before it, and day 1 is ``start``'s local date in ``spec.timezone``. See the module docstring for
+    the eligibility, spreading, first-day and DST rules. Lazy: holds one day's slots at a time.
+    Raises ``ValueError`` (eagerly, at call time) for a naive ``start`` or a negative ``count``.
+    """
+    if start.tzinfo is None or start.utcoffset() is None:
+        raise ValueError("start must be a timezone-aware datetime")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count must be an int >= 0, got {count!r}")
+    return _generate(spec, count, start.astimezone(UTC))
+
+
+def _generate(spec: PlanSpec, count: int, start: datetime) -> Iterator[datetime]:
+    zone = spec.zone
+    day, floor, remaining, empty_days = start.astimezone(zone).date(), start, count, 0
+    while remaining > 0:
+        slots = _day_slots(spec, zone, day, floor) if day.isoweekday() in spec.weekdays else []
+        if slots:
+            empty_days = 0
+            yield from slots[:remaining]
+            remaining -= len(slots)
+            floor = slots[-1] + _MICRO
+        elif day.isoweekday() in spec.weekdays:
+            empty_days += 1
+            if empty_days > _MAX_EMPTY_DAYS:
+                raise RuntimeError(f"no window time on {_MAX_EMPTY_DAYS} consecutive allowed days")
+        day += timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """Dry-run overview of planned instants.
+
+    ``first``/``last``: earliest/latest instant as given (``None`` if empty); ``emails_per_day``: count
+    per **local** date in the summary's zone, in date order; ``days_spanned``: calendar days from the
+    first to the last local date inclusive (0 if empty); ``total``: number of instants.
+    """
+
+    first: datetime | None
+    last: datetime | None
+    emails_per_day: dict[date, int]
+    days_spanned: int
+    total: int
+
+
+def summarize(times: Iterable[datetime], tz: str) -> PlanSummary:
+    """Summarize aware instants ``times`` (any iterable, consumed once) by local date in IANA zone ``tz``.
+
+    Memory is O(number of distinct local days). Raises ``ValueError`` for an unknown zone or a naive
+    datetime.
+    """
+    zone = load_zone(tz)
+    first: datetime | None = None
+    last: datetime | None = None
+    per_day: dict[date, int] = {}
+    total = 0
+    for t in times:
+        if t.tzinfo is None or t.utcoffset() is None:
+            raise ValueError(f"summarize needs aware datetimes, got naive {t!r}")
+        first = t if first is None or t < first else first
+        last = t if last is None or t > last else last
+        d = t.astimezone(zone).date()
+        per_day[d] = per_day.get(d, 0) + 1
+        total += 1
+    days = dict(sorted(per_day.items()))
+    spanned = (max(days) - min(days)).days + 1 if days else 0
+    return PlanSummary(first, last, days, spanned, total)

@@ -1,0 +1,104 @@
+"""Render a chunk of minted rows into one deterministic ``POST /emails/batch`` request body.
+
+Determinism is what makes retries safe: the same rows and templates always give the same bytes,
+so a retry under the same Idempotency-Key is accepted by the provider as the same request
+(Resend: same key + different payload = 409). Templates are Jinja2 with autoescape on for HTML,
+``StrictUndefined`` (a missing variable is an error naming the template), no clock or randomness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
+from mailflow.model import MintedRow, PreparedBatch
+from mailflow.unsubscribe import UnsubscribeSigner
+
+
+def _autoescape(name: str | None) -> bool:
+    return bool(name) and ".html" in str(name)
+
+
+def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
+    """Jinja2 environment for campaign templates: HTML autoescaped, text not, strict undefined."""
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir or CAMPAIGNS_DIR / "templates")),
+        autoescape=_autoescape,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+
+
+def idempotency_key(campaign: str, row_ids: Sequence[int]) -> str:
+    """Key for a batch: unique by construction (a send-log id belongs to one batch at a time) and
+    derived from exactly the rows it carries, so a resend of a subset gets a new key.
+
+    Shape: ``mf-<first row id>-<16 hex of sha256(ids)>`` (<= 256 chars, Resend's limit)."""
+    digest = hashlib.sha256(",".join(str(i) for i in row_ids).encode()).hexdigest()[:16]
+    return f"mf-{row_ids[0]}-{digest}"
+
+
+class Renderer:
+    """Turn minted rows into a :class:`PreparedBatch`.
+
+    :param signer: signs per-user unsubscribe tokens.
+    :param public_url: base URL of the unsubscribe endpoint (``MAILFLOW_PUBLIC_URL``), e.g.
+        ``https://mail.example.com``; links are ``<public_url>/u/<token>``.
+    :param app_url: base URL of the product, for calls to action in templates.
+    """
+
+    def __init__(self, signer: UnsubscribeSigner, public_url: str, app_url: str, env: jinja2.Environment | None = None):
+        self.signer = signer
+        self.public_url = public_url.rstrip("/")
+        self.app_url = app_url.rstrip("/")
+        self.env = env or template_env()
+        self._subjects: dict[str, jinja2.Template] = {}
+
+    def render_email(self, campaign: Campaign, row: MintedRow) -> dict[str, Any]:
+        """Return one Resend email object for ``row`` (keys: from, to, subject, html, text, headers,
+        reply_to?, tags).
+
+        :raises jinja2.UndefinedError: naming the variable when a template needs a missing column.
+        """
+        unsubscribe_url = f"{self.public_url}/u/{self.signer.token(row.user_id, campaign.name)}"
+        ctx = {
+            "user": {"user_id": row.user_id, "email": row.email, **row.context},
+            "campaign": campaign.name,
+            "unsubscribe_url": unsubscribe_url,
+            "app_url": self.app_url,
+        }
+        subject_t = self._subjects.get(campaign.name)
+        if subject_t is None:
+            subject_t = self._subjects[campaign.name] = jinja2.Environment(
+                autoescape=False, undefined=jinja2.StrictUndefined
+            ).from_string(campaign.subject)
+        headers = {"X-Mailflow-Send-Id": str(row.id), "X-Mailflow-Campaign": campaign.name}
+        if campaign.marketing:
+            # RFC 8058 one-click: an HTTPS URI that identifies the recipient by itself.
+            headers["List-Unsubscribe"] = f"<{unsubscribe_url}>"
+            headers["List-Unsubscribe-Post"] = "List-Unsubscribe=One-Click"
+        email: dict[str, Any] = {
+            "from": campaign.from_address,
+            "to": [row.email],
+            "subject": " ".join(subject_t.render(ctx).split()),
+            "html": self.env.get_template(f"{campaign.template}.html.j2").render(ctx),
+            "text": self.env.get_template(f"{campaign.template}.txt.j2").render(ctx),
+            "headers": headers,
+            "tags": [{"name": "campaign", "value": campaign.name}],
+        }
+        if campaign.reply_to:
+            email["reply_to"] = campaign.reply_to
+        return email
+
+    def prepare_batch(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
+        """Render ``rows`` (in the given order: request index i = rows[i]) into one batch."""
+        emails = [self.render_email(campaign, r) for r in rows]
+        body = json.dumps(emails, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
+        ids = tuple(r.id for r in rows)
+        return PreparedBatch(idempotency_key=idempotency_key(campaign.name, ids), campaign=campaign.name, row_ids=ids, body=body)

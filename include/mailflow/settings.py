@@ -1,0 +1,24 @@
+"""Per-environment settings (environment variables) and secrets (Airflow connections).
+
+Tiers (see docs/operations.md): credentials in Connections (``send_log_db``, ``resend_default``,
+``mail_unsubscribe``); per-environment values in env vars (below); run-time choices in DAG Params;
+campaign definitions in ``campaigns/*.toml``.
+"""
+
+from __future__ import annotations
+
+import os
+
+SEND_LOG_CONN_ID = os.environ.get("MAILFLOW_SEND_LOG_CONN_ID", "send_log_db")
+RESEND_CONN_ID = os.environ.get("MAILFLOW_RESEND_CONN_ID", "resend_default")
+UNSUBSCRIBE_CONN_ID = os.environ.get("MAILFLOW_UNSUBSCRIBE_CONN_ID", "mail_unsubscribe")
+
+
+def public_url() -> str:
+    """Base URL of the one-click unsubscribe endpoint (``MAILFLOW_PUBLIC_URL``)."""
+    return os.environ.get("MAILFLOW_PUBLIC_URL", "https://mail.example.com")
+
+
+def app_url() -> str:
+    """Base URL of the product, used by templates (``MAILFLOW_APP_URL``)."""
+    return os.environ.get("MAILFLOW_APP_URL", "https://app.example.com")

@@ -1,0 +1,63 @@
+-- name: audience_page
+-- The next page of a campaign's audience after the engine's exclusions, in user_id order
+-- (keyset pagination, so each page is an index range and the run always makes progress).
+-- The audience placeholder takes the campaign's own, version-controlled SQL; every value is bound.
+-- Exclusions, in one place for every campaign:
+--   dedupe:      the user already has a live row for this campaign (unique key send_log_user_campaign_uq);
+--   cooldown:    a pending/sending row of any campaign, or one sent since cooldown_since
+--                (no upper bound, so a backfill also sees what was sent after its interval);
+--   suppression: the user or the address is suppressed for all mail or for this campaign.
+select a.user_id, a.email, to_jsonb(a) - 'user_id' - 'email' as context
+from (
+{audience}
+) as a
+where a.user_id > %(after)s
+  and not exists (select 1 from mail.send_log d
+                  where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
+  and not exists (select 1 from mail.send_log c
+                  where c.user_id = a.user_id
+                    and c.status in ('pending', 'sending', 'sent')
+                    and (c.status <> 'sent' or c.sent_at >= %(cooldown_since)s))
+  and not exists (select 1 from mail.suppression s
+                  where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
+  and not exists (select 1 from mail.suppression s
+                  where lower(s.email) = lower(a.email) and s.scope in ('all', %(campaign)s))
+order by a.user_id
+limit %(limit)s
+
+-- name: audience_count
+-- Size of the audience after the exclusions (same rules as audience_page), for the run summary
+-- and dry runs.
+select count(*)
+from (
+{audience}
+) as a
+where not exists (select 1 from mail.send_log d
+                  where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
+  and not exists (select 1 from mail.send_log c
+                  where c.user_id = a.user_id
+                    and c.status in ('pending', 'sending', 'sent')
+                    and (c.status <> 'sent' or c.sent_at >= %(cooldown_since)s))
+  and not exists (select 1 from mail.suppression s
+                  where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
+  and not exists (select 1 from mail.suppression s
+                  where lower(s.email) = lower(a.email) and s.scope in ('all', %(campaign)s))
+
+-- name: mint
+-- Mint one chunk as claimed ('sending') rows. ON CONFLICT DO NOTHING on the live unique key:
+-- the claimed set is exactly the rows RETURNING gives back (a concurrent run's row is never
+-- sent twice). The 'minted' event is appended in the same statement.
+with minted as (
+    insert into mail.send_log (user_id, campaign, kind, email, context, status, claimed_at, attempts,
+                               dag_id, run_id, task_id, data_interval_start, data_interval_end)
+    select p.user_id, %(campaign)s, 'lifecycle', p.email, p.context, 'sending', now(), 1,
+           %(dag_id)s, %(run_id)s, %(task_id)s, %(interval_start)s, %(interval_end)s
+    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, context jsonb)
+    order by p.user_id
+    on conflict (user_id, campaign) where released_at is null do nothing
+    returning id, user_id, email, context
+), ev as (
+    insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
+    select id, null, 'sending', 1, %(dag_id)s, %(run_id)s, %(task_id)s from minted
+)
+select id, user_id, email, context from minted order by id

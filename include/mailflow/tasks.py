@@ -1,0 +1,81 @@
+"""Task callables for the DAGs: build the store, provider and renderer from Airflow connections
+and call the engine. DAG files import this lazily, inside tasks, so parsing stays fast."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mailflow import settings
+from mailflow.model import DataInterval, RunContext
+from mailflow.unsubscribe import UnsubscribeSigner, signer_from_secret
+
+log = logging.getLogger(__name__)
+
+
+def unsubscribe_signer() -> UnsubscribeSigner:
+    """Signer from the ``mail_unsubscribe`` connection: password = current secret, extra
+    ``{"kid": "k2", "old_keys": {"k1": "..."}}`` for rotation.
+
+    :raises ValueError: if the connection is missing or has no password.
+    """
+    from airflow.sdk import BaseHook
+
+    try:
+        conn = BaseHook.get_connection(settings.UNSUBSCRIBE_CONN_ID)
+    except Exception as exc:
+        raise ValueError(f"connection {settings.UNSUBSCRIBE_CONN_ID!r} (unsubscribe signing secret) "
+                         f"is not defined: {exc}") from None
+    if not conn.password:
+        raise ValueError(f"connection {settings.UNSUBSCRIBE_CONN_ID!r} has no password (the signing secret)")
+    extra = conn.extra_dejson or {}
+    return signer_from_secret(conn.password, kid=extra.get("kid", "k1"), old=extra.get("old_keys"))
+
+
+def send_log_connection() -> Any:
+    """A psycopg 3 connection to the send log through the Postgres provider's hook."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    return PostgresHook(postgres_conn_id=settings.SEND_LOG_CONN_ID).get_conn()
+
+
+def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run the lifecycle campaigns for the task's data interval; return per-campaign summaries.
+
+    Params used: ``time_budget_seconds`` (s), ``chunk_size`` (emails, 1-100), ``campaigns`` (subset
+    of names; empty = all), ``dry_run`` (audience counts and a rendered sample, nothing minted).
+    """
+    from mailflow.campaigns import load_campaigns
+    from mailflow.engine import run_lifecycle
+    from mailflow.migrate import migrate
+    from mailflow.model import SendError
+    from mailflow.provider.hook import ResendHook
+    from mailflow.render import Renderer
+    from mailflow.store import PostgresStore
+
+    params = context["params"]
+    interval = DataInterval(context["data_interval_start"], context["data_interval_end"])
+    ti = context["ti"]
+    run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
+    campaigns = load_campaigns(only=list(params.get("campaigns") or []) or None)
+    renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
+    log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
+    with send_log_connection() as conn:
+        migrate(conn)
+        store = PostgresStore(conn)
+        if params.get("dry_run"):
+            return store.preview(campaigns, interval, renderer, sample=3)
+        hook = ResendHook(settings.RESEND_CONN_ID)
+        client = hook.get_conn()
+        try:
+            summaries = run_lifecycle(store, client, renderer, campaigns, interval, run=run,
+                                      budget_seconds=float(params.get("time_budget_seconds", 240)),
+                                      chunk_size=int(params.get("chunk_size", 100)))
+        except SendError as exc:
+            for s in exc.summaries:
+                log.error("summary: %s", s.as_dict())
+            raise
+        finally:
+            client.close()
+            log.info("provider requests: %s", client.stats)
+    return [s.as_dict() for s in summaries]
