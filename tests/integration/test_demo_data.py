@@ -1,13 +1,12 @@
 """Integration tests for the demo data loader, the lifecycle audience SQL and the campaign templates.
 
-Needs a PostgreSQL server: ``MAILFLOW_TEST_PG_ADMIN_DSN`` (default: user postgres on
-127.0.0.1:5432, database postgres) must be allowed to create and drop databases.  Each test
-module run creates throwaway ``mailflow_demo_<hex>`` databases and drops them afterwards.
+Needs the test PostgreSQL server (``pg_admin_dsn`` in conftest: TEST_DATABASE_URL or the
+embedded default). Each module run creates throwaway ``mailflow_demo_<hex>`` databases and drops
+them afterwards.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -24,9 +23,6 @@ from mailflow.demo import LoadSummary, load_demo_data
 from mailflow.demo.__main__ import main as demo_cli
 from psycopg.rows import dict_row
 
-ADMIN_DSN = os.environ.get(
-    "MAILFLOW_TEST_PG_ADMIN_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
-)
 ANCHOR = datetime(2025, 3, 10, 12, 0, tzinfo=UTC)
 USERS = 5000
 SEED = 42
@@ -62,18 +58,14 @@ def _scratch_db(admin: psycopg.Connection[Any]) -> Iterator[str]:
     name = f"mailflow_demo_{uuid.uuid4().hex[:12]}"
     admin.execute(f'create database "{name}"')
     try:
-        yield psycopg.conninfo.make_conninfo(ADMIN_DSN, dbname=name)
+        yield psycopg.conninfo.make_conninfo(admin.info.dsn, dbname=name)
     finally:
         admin.execute(f'drop database if exists "{name}" with (force)')
 
 
 @pytest.fixture(scope="module")
-def admin() -> Iterator[psycopg.Connection[Any]]:
-    try:
-        conn = psycopg.connect(ADMIN_DSN, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:  # pragma: no cover - environment
-        pytest.skip(f"PostgreSQL not reachable at {ADMIN_DSN!r}: {exc}")
-    with conn:
+def admin(pg_admin_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(pg_admin_dsn, autocommit=True, connect_timeout=5) as conn:
         yield conn
 
 

@@ -1,0 +1,46 @@
+# One target per thing a person does. Everything runs from the project venv (.venv).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: help venv demo test test-fast lint typecheck bench chaos psql stop emulator clean
+
+help:            ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed  ## create .venv with the pinned requirements and the package (editable)
+
+demo: venv       ## embedded Postgres + emulator + demo data + `airflow dags test lifecycle_emails`
+	$(PY) scripts/demo.py
+
+test: venv       ## the whole suite (embedded Postgres, or TEST_DATABASE_URL when set)
+	$(PY) -m pytest
+
+test-fast: venv  ## unit tests only (no database, no HTTP server)
+	$(PY) -m pytest tests/unit -q
+
+lint: venv       ## ruff (incl. Airflow AIR rules) and mypy on the engine
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: venv      ## benchmarks against a real Postgres and the emulator (not part of `make test`)
+	$(PY) -m bench
+
+psql: venv       ## open the demo's send log in psql (starts the embedded server if needed)
+	$(PY) scripts/psql.py
+
+stop: venv       ## stop the embedded PostgreSQL servers the demo and tests started
+	$(PY) -c "from mailflow import devenv; from pathlib import Path; [print(p, devenv.stop_embedded(Path(p))) for p in ('.demo/pgdata', '.demo/pgdata-test')]"
+
+emulator: venv   ## run the Resend-compatible emulator in the foreground on port 8025
+	$(PY) -m mailflow.emulator --port 8025 --outbox .demo/outbox.jsonl --control
+
+clean: stop      ## remove the demo state (.demo: embedded database, outbox, Airflow home)
+	rm -rf .demo

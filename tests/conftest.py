@@ -1,0 +1,89 @@
+"""Shared fixtures: a real PostgreSQL (``TEST_DATABASE_URL`` or the embedded default), the
+Resend emulator as a real HTTP server, and an isolated Airflow home for DAG tests.
+
+Airflow reads its configuration at import, so the environment is set here, before any test
+module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="mailflow-airflow-home-"))
+os.environ["AIRFLOW_HOME"] = str(_AIRFLOW_HOME)
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(ROOT / "dags")
+os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
+os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
+
+import psycopg  # noqa: E402
+import pytest  # noqa: E402
+from mailflow import devenv  # noqa: E402
+from mailflow.emulator.testing import EmulatorProcess  # noqa: E402
+from mailflow.migrate import migrate  # noqa: E402
+
+UNSUBSCRIBE_SECRET = "test-secret-0123456789abcdef"
+MAIL_TABLES = "mail.send_event, mail.send_log, mail.send_batch, mail.rate_slot, mail.suppression"
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    """DSN of a maintenance database on the test server (TEST_DATABASE_URL or embedded)."""
+    explicit = os.environ.get("TEST_DATABASE_URL")
+    if explicit:
+        yield explicit
+        return
+    dsn = devenv.embedded_dsn(ROOT / ".demo" / "pgdata-test")
+    yield dsn
+    devenv.stop_embedded(ROOT / ".demo" / "pgdata-test")
+
+
+@pytest.fixture(scope="session")
+def db_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh, migrated database for this test session (dropped at the end)."""
+    name = f"mailflow_test_{uuid.uuid4().hex[:8]}"
+    dsn = devenv.create_database(pg_admin_dsn, name, exist_ok=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn)
+        from mailflow.demo.loader import schema_sql
+
+        conn.execute(schema_sql())
+    yield dsn
+    devenv.drop_database(pg_admin_dsn, name)
+
+
+@pytest.fixture
+def db(db_dsn: str) -> Iterator[psycopg.Connection]:
+    """A connection to the session database with every mail and app table emptied first."""
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(f"truncate {MAIL_TABLES}, app.assessments, app.users restart identity cascade")
+        yield conn
+
+
+@pytest.fixture(scope="session")
+def emulator_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
+    """One emulator subprocess for the session (rate limit off unless a test sets it)."""
+    with EmulatorProcess(outbox=tmp_path_factory.mktemp("emulator") / "outbox.jsonl", rate_limit=0, seed=1) as emu:
+        yield emu
+
+
+@pytest.fixture
+def emulator(emulator_process: EmulatorProcess) -> EmulatorProcess:
+    """The session emulator, reset (state, stats, outbox, startup settings) for this test."""
+    emulator_process.reset()
+    return emulator_process
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> Path:
+    """Migrate the Airflow metadata database (SQLite in a temporary AIRFLOW_HOME) once."""
+    subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], check=True,
+                   capture_output=True, env=os.environ.copy())
+    return _AIRFLOW_HOME
