@@ -21,8 +21,10 @@ from mailflow.model import (
     NotSent,
     Outcome,
     PreparedBatch,
+    Refused,
     RunContext,
     SendError,
+    Unknown,
 )
 from mailflow.render import Renderer
 from mailflow.store import Store
@@ -105,29 +107,39 @@ def run_lifecycle(
             cursor = minted.cursor
             if minted.batch is None:
                 continue
-            batch = minted.batch
-            outcome = provider.send_batch(batch, deadline)
-            applied = store.apply(batch, outcome, run)
+            batch, rows = minted.batch, minted.rows
             summary.chunks += 1
             summary.minted += len(batch.row_ids)
-            summary.sent += applied.sent
-            summary.failed += applied.failed
-            summary.released += applied.released
-            summary.unknown += applied.unknown
+            while True:
+                outcome = provider.send_batch(batch, deadline)
+                applied = store.apply(batch, outcome, run)
+                summary.sent += applied.sent
+                summary.failed += applied.failed
+                summary.released += applied.released
+                summary.unknown += applied.unknown
+                if not isinstance(outcome, Refused):
+                    break
+                # Strict validation refused the request for the named emails only: they failed;
+                # the others go again as a new batch with a key derived from the remaining rows.
+                rows = tuple(r for i, r in enumerate(rows) if i not in outcome.rejected)
+                log.info("%s: %d email(s) refused by strict validation, resending %d as a new batch",
+                         campaign.name, len(outcome.rejected), len(rows))
+                if not rows:
+                    break
+                batch = renderer.prepare_batch(campaign, rows)
+                store.rebatch(batch)
             log.info("%s chunk %d (%s): %d emails -> %d sent, %d rejected, %d rolled back, %d unknown%s",
                      campaign.name, summary.chunks, batch.idempotency_key, len(batch.row_ids), applied.sent,
                      applied.failed, applied.released, applied.unknown,
                      "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
-            if not isinstance(outcome, Accepted):
+            if isinstance(outcome, NotSent | Unknown):
                 if outcome.fatal:
                     fatal.append(f"{campaign.name}: {outcome.reason}")
                 if outcome.stop_run:
                     summary.stopped = stop = outcome.stop_run
                     break
-                if isinstance(outcome, NotSent):
-                    # Whole request failed after retries: the rows are rolled back; go on with the
-                    # next page, the next run retries these users.
-                    continue
+                # Otherwise (a whole request failed after its retries, rows rolled back or left for
+                # the reconciler) go on with the next page; the next run retries those users.
         if summary.minted and summary.failed == summary.minted:
             fatal.append(f"{campaign.name}: every one of {summary.minted} emails was rejected by the provider")
         log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, skipped %d%s",

@@ -97,7 +97,20 @@ class Unknown:
     kind: Literal["unknown"] = "unknown"
 
 
-Outcome = Accepted | NotSent | Unknown
+@dataclass(frozen=True)
+class Refused:
+    """Strict validation refused the whole request because of the named emails (request index ->
+    the provider's message); nothing was sent. Those rows fail; the rest are resent as a new batch
+    under a new key derived from the remaining rows."""
+
+    rejected: dict[int, str]
+    reason: str
+    kind: Literal["refused"] = "refused"
+    stop_run: str | None = None
+    fatal: bool = False
+
+
+Outcome = Accepted | NotSent | Unknown | Refused
 
 
 @dataclass

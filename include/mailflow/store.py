@@ -16,7 +16,7 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
-from mailflow.model import Accepted, MintedRow, NotSent, Outcome, PreparedBatch, RunContext, Unknown
+from mailflow.model import Accepted, MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext, Unknown
 from mailflow.sql import query
 
 
@@ -31,6 +31,7 @@ class MintResult:
     page_size: int
     cursor: int
     batch: PreparedBatch | None
+    rows: tuple[MintedRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Store(Protocol):
                    prepare: Callable[[Sequence[MintedRow]], PreparedBatch]) -> MintResult: ...
 
     def apply(self, batch: PreparedBatch, outcome: Outcome, run: RunContext) -> Applied: ...
+
+    def rebatch(self, batch: PreparedBatch) -> None: ...
 
 
 class PostgresStore:
@@ -108,15 +111,24 @@ class PostgresStore:
             }).fetchall()
             if not minted:
                 return MintResult(page_size=len(page), cursor=cursor, batch=None)
-            rows = [MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in minted]
+            rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in minted)
             batch = prepare(rows)
-            self.conn.execute(query("send_log", "save_batch"), {
-                "key": batch.idempotency_key, "campaign": campaign.name,
-                "count": len(batch.row_ids), "body": batch.body})
-            self.conn.execute(query("send_log", "assign_batch"), {
-                "key": batch.idempotency_key, "ids": list(batch.row_ids),
-                "idx": list(range(len(batch.row_ids)))})
-        return MintResult(page_size=len(page), cursor=cursor, batch=batch)
+            self._save_batch(batch)
+        return MintResult(page_size=len(page), cursor=cursor, batch=batch, rows=rows)
+
+    def _save_batch(self, batch: PreparedBatch) -> None:
+        self.conn.execute(query("send_log", "save_batch"), {
+            "key": batch.idempotency_key, "campaign": batch.campaign,
+            "count": len(batch.row_ids), "body": batch.body})
+        self.conn.execute(query("send_log", "assign_batch"), {
+            "key": batch.idempotency_key, "ids": list(batch.row_ids),
+            "idx": list(range(len(batch.row_ids)))})
+
+    def rebatch(self, batch: PreparedBatch) -> None:
+        """Store a new batch for rows already ``sending`` (after a strict-mode refusal): the rows
+        take its key and indices, and its bytes become what any retry resends."""
+        with self.conn.transaction():
+            self._save_batch(batch)
 
     def apply(self, batch: PreparedBatch, outcome: Outcome, run: RunContext) -> Applied:
         """Apply a provider outcome to the batch's rows, by request index, in one transaction."""
@@ -135,6 +147,12 @@ class PostgresStore:
                         "ids": [ids[i] for i in idx],
                         "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
                 return Applied(sent=sent, failed=failed)
+            if isinstance(outcome, Refused):
+                idx = sorted(outcome.rejected)
+                failed = len(self.conn.execute(query("send_log", "mark_failed"), who | {
+                    "ids": [ids[i] for i in idx],
+                    "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
+                return Applied(failed=failed)
             if isinstance(outcome, NotSent):
                 n = len(self.conn.execute(query("send_log", "release"), who | {
                     "ids": ids, "reason": outcome.reason[:1000]}).fetchall())

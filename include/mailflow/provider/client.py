@@ -21,13 +21,14 @@ from __future__ import annotations
 import email.utils
 import logging
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from mailflow.clock import Clock, SystemClock
-from mailflow.model import NotSent, Outcome, PreparedBatch, Unknown
+from mailflow.model import NotSent, Outcome, PreparedBatch, Refused, Unknown
 from mailflow.provider.pacing import Pacer
 from mailflow.reconcile import reconcile_by_index
 
@@ -199,6 +200,10 @@ class ResendClient:
                     self.stats["5xx"] += 1
                 else:
                     # 4xx other than the above: the request as a whole was refused; nothing sent.
+                    # Strict validation names the offending email: that row fails, the rest go again.
+                    index = _named_index(message, n)
+                    if index is not None and not maybe_delivered:
+                        return Refused(rejected={index: message}, reason=last)
                     return give_up(f"request refused: {last}")
             if attempt < self.policy.max_attempts:
                 delay = self.policy.backoff(attempt, self.rng)
@@ -206,6 +211,18 @@ class ResendClient:
                     return give_up(f"time budget reached while retrying ({last})", stop="time budget")
                 self.clock.sleep(delay)
         return give_up(f"gave up after {self.policy.max_attempts} attempts: {last}")
+
+
+_INDEX = re.compile(r"(?:emails)?\[(\d+)\]")
+
+
+def _named_index(message: str, size: int) -> int | None:
+    """The request index a strict-mode validation message names (``emails[2]: ...``), if any."""
+    m = _INDEX.search(message)
+    if m is None:
+        return None
+    index = int(m.group(1))
+    return index if 0 <= index < size else None
 
 
 def _error_fields(resp: httpx.Response) -> tuple[str, str]:
