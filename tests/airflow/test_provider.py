@@ -1,0 +1,94 @@
+"""The `resend` connection type is registered through the package's provider info and the hook
+follows the Airflow provider shape (lazy connection, test_connection, form metadata)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mailflow.provider.hook import ResendHook
+
+AIRFLOW = str(Path(sys.executable).parent / "airflow")
+
+
+def run_airflow(*args: str) -> str:
+    res = subprocess.run([AIRFLOW, *args], capture_output=True, text=True, env=os.environ.copy(), timeout=180)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return res.stdout
+
+
+def test_providers_list_shows_the_package() -> None:
+    out = run_airflow("providers", "list", "-o", "json")
+    rows = {r["package_name"]: r for r in json.loads(out[out.index("["):])}
+    assert rows["mailflow"]["version"] == "0.1.0"
+
+
+def test_connections_add_with_conn_type_resend(airflow_db: Path) -> None:
+    run_airflow("connections", "add", "resend_cli_check", "--conn-type", "resend",
+                "--conn-host", "http://127.0.0.1:9", "--conn-password", "re_cli_secret",
+                "--conn-extra", '{"requests_per_second": 5}')
+    out = run_airflow("connections", "get", "resend_cli_check", "-o", "json")
+    conn = json.loads(out[out.index("["):])[0]
+    assert (conn["conn_type"], conn["host"]) == ("resend", "http://127.0.0.1:9")
+    assert {k: str(v) for k, v in conn["extra_dejson"].items()} == {"requests_per_second": "5"}
+    run_airflow("connections", "delete", "resend_cli_check")
+
+
+def test_hook_meta_labels_the_password_as_api_key() -> None:
+    from airflow.api_fastapi.core_api.services.ui.connections import HookMetaService
+
+    meta = {m.connection_type: m for m in HookMetaService.hook_meta_data()}["resend"]
+    fields = meta.standard_fields
+    assert meta.hook_class_name == "mailflow.provider.hook.ResendHook"
+    assert (fields.password.title, fields.password.hidden) == ("API key", False)
+    assert (fields.host.title, fields.host.placeholder) == ("API base URL", "https://api.resend.com")
+    assert fields.login.hidden is True and fields.port.hidden is True
+    assert set(meta.extra_fields) == {"requests_per_second", "target_fraction", "batch_validation",
+                                      "timeout_seconds", "connect_timeout_seconds", "pacer_conn_id"}
+
+
+def test_hook_shape() -> None:
+    assert (ResendHook.conn_name_attr, ResendHook.default_conn_name, ResendHook.conn_type) == (
+        "resend_conn_id", "resend_default", "resend")
+    hook = ResendHook()  # resolving the connection is lazy: nothing looked up yet
+    assert hook._client is None
+
+
+@pytest.fixture
+def resend_conn(monkeypatch: pytest.MonkeyPatch, emulator) -> str:
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_TEST", json.dumps({
+        "conn_type": "resend", "host": emulator.base_url, "password": "re_test_emulator",
+        "extra": {"requests_per_second": 4, "target_fraction": 0.5, "batch_validation": "strict"}}))
+    return "resend_test"
+
+
+def test_settings_and_test_connection_ok(resend_conn: str, emulator) -> None:
+    hook = ResendHook(resend_conn)
+    s = hook.settings()
+    assert s == {"base_url": emulator.base_url, "requests_per_second": 4.0, "target_fraction": 0.5,
+                 "batch_validation": "strict", "timeout_seconds": 30.0, "connect_timeout_seconds": 5.0,
+                 "pacer_conn_id": "send_log_db"}
+    ok, message = hook.test_connection()
+    assert ok is True
+    assert message == f"API key accepted by {emulator.base_url}"
+    assert "re_test_emulator" not in message
+
+
+def test_test_connection_bad_key(monkeypatch: pytest.MonkeyPatch, emulator) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_BAD", json.dumps(
+        {"conn_type": "resend", "host": emulator.base_url, "password": "re_wrong"}))
+    ok, message = ResendHook("resend_bad").test_connection()
+    assert ok is False
+    assert message.startswith(f"{emulator.base_url} answered HTTP 403")
+    assert "re_wrong" not in message
+
+
+def test_missing_api_key_names_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_NOKEY", json.dumps({"conn_type": "resend", "host": "http://x"}))
+    with pytest.raises(ValueError, match="connection 'resend_nokey' has no API key"):
+        ResendHook("resend_nokey").settings()

@@ -1,0 +1,361 @@
+"""ResendClient.send_batch against httpx.MockTransport (HTTP mocked at the transport), with a
+LocalPacer on a FakeClock and a seeded random.Random: retries, waits, idempotency, outcomes."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from datetime import timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import httpx
+import pytest
+from mailflow.clock import FakeClock
+from mailflow.model import Accepted, NotSent, PreparedBatch, Unknown
+from mailflow.provider.client import ResendClient, RetryPolicy, parse_retry_after
+from mailflow.provider.pacing import LocalPacer
+
+SEED = 20260101
+BASE = "https://api.resend.test"
+EMAILS = [{"from": "a@example.com", "to": [f"u{i}@example.com"], "subject": "Hi", "text": "é"} for i in range(3)]
+BATCH = PreparedBatch(idempotency_key="mf-11-0123456789abcdef", campaign="c", row_ids=(11, 12, 13),
+                      body=json.dumps(EMAILS, ensure_ascii=False).encode())
+OK = {"data": [{"id": "id-0"}, {"id": "id-1"}, {"id": "id-2"}], "errors": []}
+
+
+def err(status: int, name: str, message: str = "msg", **headers: str) -> httpx.Response:
+    return httpx.Response(status, json={"statusCode": status, "name": name, "message": message}, headers=headers)
+
+
+Step = httpx.Response | Exception | Callable[[httpx.Request], httpx.Response]
+
+
+class Script:
+    """A MockTransport handler answering each request with the next step (responses or exceptions)."""
+
+    def __init__(self, *steps: Step):
+        self.steps = list(steps)
+        self.requests: list[httpx.Request] = []
+        self.bodies: list[bytes] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        self.bodies.append(request.read())
+        assert self.steps, f"unexpected request #{len(self.requests)}"
+        step = self.steps.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        if callable(step) and not isinstance(step, httpx.Response):
+            return step(request)
+        return step
+
+
+class Rig:
+    def __init__(self, *steps: Step, max_attempts: int = 5, rps: float = 10.0, conn_id: str = "resend_default",
+                 policy: RetryPolicy | None = None):
+        self.clock = FakeClock()
+        self.pacer = LocalPacer(rps, clock=self.clock)
+        self.script = Script(*steps)
+        self.policy = policy or RetryPolicy(max_attempts=max_attempts)
+        self.client = ResendClient(BASE, "re_secret_key", pacer=self.pacer, clock=self.clock, policy=self.policy,
+                                   rng=random.Random(SEED), transport=httpx.MockTransport(self.script),
+                                   conn_id=conn_id)
+
+    def send(self, deadline: float = 1000.0, batch: PreparedBatch = BATCH) -> Any:
+        return self.client.send_batch(batch, deadline)
+
+    @property
+    def requests(self) -> list[httpx.Request]:
+        return self.script.requests
+
+
+def backoffs(*attempts: int) -> list[float]:
+    """What RetryPolicy() draws from a fresh Random(SEED) for these attempts, in order."""
+    rng, p = random.Random(SEED), RetryPolicy()
+    return [rng.uniform(0, min(p.cap, p.base * 2 ** (a - 1))) for a in attempts]
+
+
+def assert_same_request(requests: list[httpx.Request], bodies: list[bytes]) -> None:
+    assert len({r.headers["idempotency-key"] for r in requests}) == 1
+    assert requests[0].headers["idempotency-key"] == BATCH.idempotency_key
+    assert all(b == BATCH.body for b in bodies)
+
+
+# -- Retry-After parsing -------------------------------------------------------------------------
+
+def test_retry_after_delta_seconds_and_fraction() -> None:
+    clock = FakeClock()
+    assert parse_retry_after("2", clock) == 2.0
+    assert parse_retry_after(" 7 ", clock) == 7.0
+    assert parse_retry_after("0.25", clock) == 0.25
+    assert parse_retry_after("0", clock) == 0.0
+
+
+def test_retry_after_http_date_is_measured_against_the_clock_now() -> None:
+    clock = FakeClock(start=0.0)
+    header = format_datetime(clock.now() + timedelta(seconds=5), usegmt=True)
+    assert parse_retry_after(header, clock) == 5.0
+    clock.advance(2.0)
+    assert parse_retry_after(header, clock) == 3.0
+    clock.advance(10.0)
+    assert parse_retry_after(header, clock) == 0.0  # a date in the past means "now"
+
+
+@pytest.mark.parametrize("value", [None, "", "soon", "-1", "-0.5", "nan", "inf", "-inf", "Mon, 99 Foo 2026"])
+def test_retry_after_unusable_values_are_none(value: str | None) -> None:
+    assert parse_retry_after(value, FakeClock()) is None
+
+
+def test_garbage_retry_after_falls_back_to_the_jittered_backoff() -> None:
+    # a fast pacer (spacing 1.25 ms) so the wait is the backoff, not the pacer's next slot
+    rig = Rig(err(429, "rate_limit_exceeded", **{"retry-after": "soon"}), httpx.Response(200, json=OK), rps=1000)
+    out = rig.send()
+    assert out == Accepted(ids={0: "id-0", 1: "id-1", 2: "id-2"}, rejected={})
+    [b1] = backoffs(1)
+    assert 1 / (1000 * 0.8) < b1 <= 0.5
+    assert rig.clock.sleeps == [0.0, b1]
+    assert rig.client.stats["429"] == 1
+
+
+# -- 429 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("retry_after,wait", [("2", 2.0), ("0.25", 0.25)])
+def test_429_then_200_waits_exactly_retry_after_and_resends_the_same_bytes(retry_after: str, wait: float) -> None:
+    rig = Rig(err(429, "rate_limit_exceeded", "Too many requests", **{"retry-after": retry_after}),
+              httpx.Response(200, json=OK))
+    out = rig.send()
+    assert out == Accepted(ids={0: "id-0", 1: "id-1", 2: "id-2"}, rejected={})
+    assert rig.clock.sleeps == [0.0, wait]
+    assert rig.clock.monotonic() == wait
+    assert len(rig.requests) == 2
+    assert_same_request(rig.requests, rig.script.bodies)
+    for r in rig.requests:
+        assert r.method == "POST" and str(r.url) == f"{BASE}/emails/batch"
+        assert r.headers["authorization"] == "Bearer re_secret_key"
+        assert r.headers["x-batch-validation"] == "permissive"
+        assert r.headers["content-type"] == "application/json"
+    assert rig.client.stats == {"requests": 2, "429": 1, "5xx": 0, "timeouts": 0, "replays": 0}
+
+
+def test_429_with_http_date_retry_after() -> None:
+    clock_now = FakeClock().now()
+    header = format_datetime(clock_now + timedelta(seconds=3), usegmt=True)
+    rig = Rig(err(429, "rate_limit_exceeded", **{"retry-after": header}), httpx.Response(200, json=OK))
+    assert isinstance(rig.send(), Accepted)
+    assert rig.clock.sleeps == [0.0, 3.0]
+
+
+def test_retry_after_beyond_the_deadline_stops_the_run_without_sleeping_past_it() -> None:
+    rig = Rig(err(429, "rate_limit_exceeded", "Too many requests", **{"retry-after": "10"}))
+    out = rig.send(deadline=5.0)
+    assert out == NotSent(reason="time budget reached while rate limited "
+                                 "(HTTP 429 rate_limit_exceeded: Too many requests)", stop_run="time budget")
+    assert rig.clock.sleeps == [0.0]
+    assert rig.clock.monotonic() == 0.0
+    assert len(rig.requests) == 1
+    # the shared schedule is still pushed back for every other sender
+    assert rig.pacer.claim() == 10.0
+
+
+def test_retry_after_above_max_retry_after_stops_the_run_as_rate_limited() -> None:
+    rig = Rig(err(429, "rate_limit_exceeded", "slow down", **{"retry-after": "61"}))
+    out = rig.send()
+    assert out == NotSent(reason="rate limited for 61 s: HTTP 429 rate_limit_exceeded: slow down",
+                          stop_run="rate limited")
+    assert rig.clock.sleeps == [0.0]
+    assert len(rig.requests) == 1
+
+
+def test_pacer_wait_past_the_deadline_makes_no_request() -> None:
+    rig = Rig()
+    rig.pacer.push_back(30.0)
+    out = rig.send(deadline=20.0)
+    assert out == NotSent(reason="time budget reached before attempt 1 (no attempt made)", stop_run="time budget")
+    assert rig.requests == [] and rig.clock.sleeps == []
+
+
+def test_daily_quota_exceeded_stops_the_run_after_one_request() -> None:
+    rig = Rig(err(429, "daily_quota_exceeded", "You have reached your daily email sending quota"))
+    out = rig.send()
+    assert out == NotSent(reason="provider quota exhausted: HTTP 429 daily_quota_exceeded: "
+                                 "You have reached your daily email sending quota",
+                          stop_run="daily_quota_exceeded")
+    assert len(rig.requests) == 1
+    assert rig.clock.sleeps == [0.0]
+
+
+def test_monthly_quota_exceeded_stops_the_run_too() -> None:
+    rig = Rig(err(429, "monthly_quota_exceeded", "quota"))
+    out = rig.send()
+    assert isinstance(out, NotSent) and out.stop_run == "monthly_quota_exceeded" and not out.fatal
+    assert len(rig.requests) == 1
+
+
+# -- 5xx, timeouts, transport errors -------------------------------------------------------------
+
+def test_5xx_on_every_attempt_is_not_sent() -> None:
+    rig = Rig(*[err(500, "internal_server_error", "boom") for _ in range(3)], max_attempts=3)
+    out = rig.send()
+    assert out == NotSent(reason="gave up after 3 attempts: HTTP 500 internal_server_error: boom")
+    assert len(rig.requests) == 3
+    assert_same_request(rig.requests, rig.script.bodies)
+    b1, b2 = backoffs(1, 2)
+    # pacer waits at even positions, the jittered backoffs in between (none after the last attempt)
+    assert rig.clock.sleeps[1::2] == [b1, b2]
+    assert len(rig.clock.sleeps) == 5
+    assert rig.client.stats["5xx"] == 3 and rig.client.stats["requests"] == 3
+
+
+def test_read_timeout_then_500s_is_unknown() -> None:
+    rig = Rig(httpx.ReadTimeout("timed out"), err(500, "internal_server_error", "boom"),
+              err(502, "bad_gateway", "upstream"), max_attempts=3)
+    out = rig.send()
+    assert out == Unknown(reason="gave up after 3 attempts: HTTP 502 bad_gateway: upstream; "
+                                 "an earlier attempt may have been accepted")
+    assert len(rig.requests) == 3
+    assert_same_request(rig.requests, rig.script.bodies)
+    assert rig.client.stats["timeouts"] == 1 and rig.client.stats["5xx"] == 2
+
+
+def test_read_timeout_then_200_is_accepted() -> None:
+    rig = Rig(httpx.ReadTimeout("timed out"),
+              httpx.Response(200, json={"data": [{"id": "a"}, {"id": "c"}],
+                                        "errors": [{"index": 1, "message": "Invalid `to` field."}]}))
+    out = rig.send()
+    assert out == Accepted(ids={0: "a", 2: "c"}, rejected={1: "Invalid `to` field."})
+    assert len(rig.requests) == 2
+    assert_same_request(rig.requests, rig.script.bodies)
+
+
+def test_remote_protocol_error_after_writing_is_ambiguous() -> None:
+    rig = Rig(httpx.RemoteProtocolError("peer closed connection"), httpx.ConnectError("refused"), max_attempts=2)
+    out = rig.send()
+    assert out == Unknown(reason="gave up after 2 attempts: connection failed: refused; "
+                                 "an earlier attempt may have been accepted")
+
+
+def test_connect_errors_only_are_not_sent() -> None:
+    rig = Rig(*[httpx.ConnectError("connection refused") for _ in range(4)], max_attempts=4)
+    out = rig.send()
+    assert out == NotSent(reason="gave up after 4 attempts: connection failed: connection refused")
+    assert len(rig.requests) == 4
+    assert rig.client.stats["timeouts"] == 0
+
+
+@pytest.mark.parametrize("exc", [httpx.ConnectTimeout("connect timed out"), httpx.PoolTimeout("pool timed out")])
+def test_connect_and_pool_timeouts_are_not_ambiguous(exc: Exception) -> None:
+    rig = Rig(exc, exc, max_attempts=2)
+    out = rig.send()
+    assert isinstance(out, NotSent)
+    assert out.reason == f"gave up after 2 attempts: {type(exc).__name__}: {exc}"
+    assert rig.client.stats["timeouts"] == 2
+
+
+def test_backoff_past_the_deadline_stops_with_time_budget() -> None:
+    rig = Rig(err(503, "service_unavailable", "down"), max_attempts=5)
+    [b1] = backoffs(1)
+    out = rig.send(deadline=b1 / 2)
+    assert out == NotSent(reason="time budget reached while retrying (HTTP 503 service_unavailable: down)",
+                          stop_run="time budget")
+    assert rig.clock.sleeps == [0.0]
+
+
+# -- 4xx -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status,name", [(401, "missing_api_key"), (403, "invalid_api_key")])
+def test_auth_failure_is_fatal_and_names_the_connection(status: int, name: str) -> None:
+    rig = Rig(err(status, name, "API key is invalid"), conn_id="resend_prod")
+    out = rig.send()
+    assert out == NotSent(reason=f"provider refused the API key of connection 'resend_prod': "
+                                 f"HTTP {status} {name}: API key is invalid",
+                          stop_run="authentication failed", fatal=True)
+    assert len(rig.requests) == 1
+    assert "re_secret_key" not in out.reason
+
+
+def test_invalid_idempotent_request_is_unknown_and_fatal() -> None:
+    rig = Rig(err(409, "invalid_idempotent_request", "Same idempotency key used with a different request payload."))
+    out = rig.send()
+    assert out == Unknown(reason="idempotency conflict, not resent under a new key: HTTP 409 "
+                                 "invalid_idempotent_request: Same idempotency key used with a different "
+                                 "request payload.", fatal=True)
+    assert len(rig.requests) == 1
+
+
+def test_concurrent_idempotent_request_then_200_is_accepted() -> None:
+    rig = Rig(err(409, "concurrent_idempotent_requests", "in progress"), httpx.Response(200, json=OK))
+    out = rig.send()
+    assert out == Accepted(ids={0: "id-0", 1: "id-1", 2: "id-2"}, rejected={})
+    assert len(rig.requests) == 2
+    assert_same_request(rig.requests, rig.script.bodies)
+    [b1] = backoffs(1)
+    assert rig.clock.sleeps[1] == b1
+
+
+def test_concurrent_idempotent_request_on_every_attempt_is_unknown() -> None:
+    rig = Rig(*[err(409, "concurrent_idempotent_requests", "in progress") for _ in range(2)], max_attempts=2)
+    out = rig.send()
+    assert out == Unknown(reason="gave up after 2 attempts: HTTP 409 concurrent_idempotent_requests: in progress; "
+                                 "an earlier attempt may have been accepted")
+
+
+def test_other_4xx_is_not_sent_without_retry() -> None:
+    rig = Rig(err(422, "validation_error", "The batch must contain between 1 and 100 emails, got 0."))
+    out = rig.send()
+    assert out == NotSent(reason="request refused: HTTP 422 validation_error: "
+                                 "The batch must contain between 1 and 100 emails, got 0.")
+    assert len(rig.requests) == 1
+
+
+def test_2xx_with_a_non_json_body_is_unknown() -> None:
+    rig = Rig(httpx.Response(200, content=b"<html>oops</html>"))
+    out = rig.send()
+    assert out == Unknown(reason="2xx with a body that is not JSON: '<html>oops</html>'")
+
+
+def test_2xx_that_does_not_add_up_is_unknown() -> None:
+    rig = Rig(httpx.Response(200, json={"data": [{"id": "a"}]}))
+    assert rig.send() == Unknown(reason="ambiguous response: 1 ids + 0 errors != 3 emails sent")
+
+
+# -- pacing --------------------------------------------------------------------------------------
+
+def test_ratelimit_remaining_zero_pushes_the_local_pacer_back_until_reset() -> None:
+    headers = {"ratelimit-limit": "10", "ratelimit-remaining": "0", "ratelimit-reset": "3"}
+    rig = Rig(httpx.Response(200, json=OK, headers=headers), httpx.Response(200, json=OK))
+    assert isinstance(rig.send(), Accepted)
+    assert isinstance(rig.send(), Accepted)
+    assert rig.clock.sleeps == [0.0, 3.0]  # the second batch waits for the reset
+
+
+def test_ratelimit_remaining_nonzero_keeps_the_normal_spacing() -> None:
+    headers = {"ratelimit-limit": "10", "ratelimit-remaining": "4", "ratelimit-reset": "1"}
+    rig = Rig(httpx.Response(200, json=OK, headers=headers), httpx.Response(200, json=OK), rps=10.0)
+    rig.send()
+    rig.send()
+    assert rig.clock.sleeps == [0.0, 1 / (10.0 * 0.8)]
+
+
+def test_a_lower_provider_limit_lowers_the_pacer_rate() -> None:
+    rig = Rig(httpx.Response(200, json=OK, headers={"ratelimit-limit": "2", "ratelimit-remaining": "1"}),
+              httpx.Response(200, json=OK), rps=10.0)
+    rig.send()
+    assert rig.pacer.requests_per_second == 2.0
+    assert rig.pacer.spacing == 1 / (2.0 * 0.8)
+    rig.send()
+    # the slot after the first request was claimed with the old spacing
+    assert rig.clock.sleeps == [0.0, 1 / (10.0 * 0.8)]
+    assert rig.pacer.claim() == 1 / (2.0 * 0.8)  # the next slot uses the adopted spacing
+
+
+def test_strict_validation_is_sent_as_the_header() -> None:
+    clock = FakeClock()
+    script = Script(httpx.Response(200, json=OK))
+    client = ResendClient(BASE, "k", pacer=LocalPacer(10, clock=clock), clock=clock, validation="strict",
+                          transport=httpx.MockTransport(script))
+    assert isinstance(client.send_batch(BATCH, 100.0), Accepted)
+    assert script.requests[0].headers["x-batch-validation"] == "strict"
+    with pytest.raises(ValueError, match="'permissive' or 'strict'"):
+        ResendClient(BASE, "k", pacer=LocalPacer(10, clock=clock), validation="lenient")
