@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`): ratios against the naive way, measured in the same run."""

@@ -1,0 +1,157 @@
+"""The DAG files: import cleanly through a DagBag, follow the house rules, and `dag.test()` runs the
+lifecycle task end to end (real PostgreSQL send log, the emulator as the Resend API)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import ROOT, UNSUBSCRIBE_SECRET
+from mailflow import devenv
+from mailflow.campaigns import load_campaigns
+from mailflow.emulator.testing import EmulatorProcess
+
+DAGS = ROOT / "dags"
+
+
+@pytest.fixture(scope="module")
+def dagbag() -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+def test_dag_folder_imports_without_errors(dagbag: Any) -> None:
+    assert dagbag.import_errors == {}
+    assert sorted(dagbag.dag_ids) == ["lifecycle_emails"]
+    assert dagbag.size() == 1
+
+
+def test_every_dag_has_tags_owner_retries_and_no_catchup(dagbag: Any) -> None:
+    for dag_id, dag in dagbag.dags.items():
+        assert dag.tags, f"{dag_id} has no tags"
+        assert dag.catchup is False, dag_id
+        for task in dag.tasks:
+            assert task.retries >= 1, f"{dag_id}.{task.task_id}"
+            assert task.owner and task.owner != "airflow", f"{dag_id}.{task.task_id} has no owner"
+
+
+def test_lifecycle_emails_shape(dagbag: Any) -> None:
+    from airflow.sdk import CronDataIntervalTimetable
+
+    dag = dagbag.dags["lifecycle_emails"]
+    assert set(dag.tags) == {"email", "lifecycle", "mailflow"}
+    assert dag.max_active_runs == 1
+    assert dag.catchup is False
+    assert isinstance(dag.timetable, CronDataIntervalTimetable)
+    assert dag.timetable.summary == "0 * * * *"
+    assert dag.start_date == datetime(2026, 1, 1, tzinfo=UTC)
+    assert [t.task_id for t in dag.tasks] == ["send_campaigns"]
+    task = dag.get_task("send_campaigns")
+    assert task.pool == "email_provider"
+    assert (task.owner, task.retries, task.retry_delay) == ("data-eng", 2, timedelta(minutes=2))
+    assert task.execution_timeout == timedelta(minutes=15)
+
+
+def test_lifecycle_emails_params_and_their_documented_defaults(dagbag: Any) -> None:
+    params = dagbag.dags["lifecycle_emails"].params
+    assert params.dump() == {"time_budget_seconds": 240, "chunk_size": 100, "campaigns": [], "dry_run": False}
+    chunk = params.get_param("chunk_size").schema
+    assert (chunk["type"], chunk["minimum"], chunk["maximum"]) == ("integer", 1, 100)
+    budget = params.get_param("time_budget_seconds").schema
+    assert (budget["type"], budget["minimum"], budget["maximum"]) == ("integer", 10, 3000)
+    assert params.get_param("campaigns").schema["items"] == {"type": "string"}
+    assert params.get_param("dry_run").schema["type"] == "boolean"
+
+
+def test_chunk_size_param_refuses_101(dagbag: Any) -> None:
+    from airflow.sdk.exceptions import ParamValidationError
+
+    param = dagbag.dags["lifecycle_emails"].params.get_param("chunk_size")
+    assert param.resolve(100) == 100
+    with pytest.raises(ParamValidationError):
+        param.resolve(101)
+
+
+# -- dag.test() ------------------------------------------------------------------------------------
+
+LOGICAL = datetime(2026, 6, 1, 10, 0, tzinfo=UTC)  # an hour boundary
+H, D = timedelta(hours=1), timedelta(days=1)
+
+
+def populate(db: psycopg.Connection) -> dict[int, str]:
+    """A small population; returns user_id -> the campaign it must get for the run ending at LOGICAL."""
+
+    def user(uid: int, signed_up_at: datetime = LOGICAL - 90 * D, last_active_at: datetime | None = None,
+             plan: str = "free") -> None:
+        db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan, last_active_at)"
+                   " values (%s, %s, %s, %s, 'UTC', %s, %s)",
+                   (uid, f"dag{uid}@example.com", f"N{uid}", signed_up_at, plan, last_active_at))
+
+    def assessment(aid: int, uid: int, started: datetime, finished: datetime | None = None) -> None:
+        db.execute("insert into app.assessments (assessment_id, user_id, kind, is_free, started_at, finished_at, score)"
+                   " values (%s, %s, 'numerical', true, %s, %s, %s)",
+                   (aid, uid, started, finished, 60 if finished else None))
+
+    user(1, signed_up_at=LOGICAL - 5 * H)  # first_practice
+    user(2, signed_up_at=LOGICAL - 30 * H)  # first_practice (2-day window)
+    user(3, last_active_at=LOGICAL - 10 * timedelta(minutes=1))  # finish_assessment (and practice_tips)
+    assessment(31, 3, LOGICAL - 30 * timedelta(minutes=1))
+    user(4)  # upgrade_offer (and practice_tips through the assessment)
+    assessment(41, 4, LOGICAL - 2 * D - H, LOGICAL - 2 * D)
+    user(5, plan="pro", last_active_at=LOGICAL - 3 * D)  # practice_tips
+    user(6, last_active_at=LOGICAL - 30 * D)  # nobody
+    user(7, signed_up_at=LOGICAL)  # signed up at the interval end (half-open): nobody
+    return {1: "first_practice", 2: "first_practice", 3: "finish_assessment", 4: "upgrade_offer",
+            5: "practice_tips"}
+
+
+@pytest.mark.airflow
+def test_dag_test_sends_one_run_for_the_interval_ending_at_the_logical_date(
+    airflow_db: Path, db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess,
+    dagbag: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
+        "conn_type": "resend", "host": emulator.base_url, "password": emulator.api_key,
+        "extra": {"requests_per_second": 50}}))
+    monkeypatch.setenv("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", json.dumps({"conn_type": "generic",
+                                                                    "password": UNSUBSCRIBE_SECRET}))
+    expected = populate(db)
+    dag = dagbag.dags["lifecycle_emails"]
+
+    dr = dag.test(logical_date=LOGICAL)
+
+    assert dr.state == "success"
+    # an interval timetable: the run's data interval is the hour that ends at the logical date
+    assert (dr.logical_date, dr.data_interval_start, dr.data_interval_end) == (LOGICAL, LOGICAL - H, LOGICAL)
+    rows = db.execute("select user_id, campaign, status, data_interval_start, data_interval_end, dag_id, run_id,"
+                      " task_id, provider_message_id from mail.send_log order by id").fetchall()
+    assert {r[0]: r[1] for r in rows} == expected
+    assert len(rows) == len(expected)
+    for r in rows:
+        assert r[2] == "sent"
+        assert (r[3], r[4]) == (LOGICAL - H, LOGICAL)
+        assert (r[5], r[6], r[7]) == ("lifecycle_emails", dr.run_id, "send_campaigns")
+    # sent per campaign in the send log == delivered per campaign in the outbox
+    outbox = emulator.read_outbox()
+    sent = Counter(r[1] for r in rows if r[2] == "sent")
+    delivered = Counter(e["tags"][0]["value"] for e in outbox)
+    assert sent == delivered == Counter(expected.values())
+    assert {e["id"] for e in outbox} == {r[8] for r in rows}
+    # the task's return value (XCom) is the per-campaign summary, in priority order
+    ti = dr.get_task_instance("send_campaigns")
+    assert ti.state == "success"
+    summary = ti.xcom_pull(task_ids="send_campaigns")
+    names = [c.name for c in load_campaigns()]
+    assert [s["campaign"] for s in summary] == names
+    assert {s["campaign"]: s["sent"] for s in summary} == {n: sent[n] for n in names}
+    for s in summary:
+        assert s == {"campaign": s["campaign"], "eligible": sent[s["campaign"]], "minted": sent[s["campaign"]],
+                     "sent": sent[s["campaign"]], "failed": 0, "released": 0, "unknown": 0, "skipped": 0,
+                     "chunks": 1, "stopped": None}
