@@ -14,6 +14,7 @@ from tempfile import mkdtemp
 from typing import Any
 
 import httpx
+
 from mailflow.clock import SystemClock
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.loadgen import run_concurrent

@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
+
 from mailflow import devenv
 from mailflow.cli import audit, print_table, report
 from mailflow.demo.loader import load_demo_data

@@ -25,6 +25,7 @@ os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 
 import psycopg  # noqa: E402
 import pytest  # noqa: E402
+
 from mailflow import devenv  # noqa: E402
 from mailflow.emulator.testing import EmulatorProcess  # noqa: E402
 from mailflow.migrate import migrate  # noqa: E402

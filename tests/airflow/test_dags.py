@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
+
 from mailflow import devenv
 from mailflow.campaigns import load_campaigns
 from mailflow.emulator.testing import EmulatorProcess

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from mailflow.emulator import EmulatorConfig, create_app
 from mailflow.emulator.testing import EmulatorProcess
 

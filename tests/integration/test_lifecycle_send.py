@@ -19,6 +19,7 @@ import httpx
 import psycopg
 import pytest
 from conftest import UNSUBSCRIBE_SECRET
+
 from mailflow import cli
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.emulator.app import ADDRESS_FORMAT

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+
 from mailflow.emulator.testing import EmulatorProcess
 
 SDK_SCRIPT = r'''

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from mailflow.clock import FakeClock
 from mailflow.model import Accepted, NotSent, PreparedBatch, Unknown
 from mailflow.provider.client import ResendClient, RetryPolicy, parse_retry_after

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from mailflow.campaigns import Campaign
 from mailflow.clock import FakeClock
 from mailflow.engine import MAX_BATCH, chunk_size_ok, run_lifecycle

@@ -12,6 +12,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from mailflow.planner import PlanSpec, PlanSummary, Window, plan_send_times, summarize
 
 ALL_DAYS = frozenset(range(1, 8))

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.model import Accepted, MintedRow, Unknown
 from mailflow.reconcile import reconcile_by_index
