@@ -21,8 +21,8 @@ Rules (the single source of truth; the tests in ``tests/unit/test_planner.py`` p
   stretches laid end to end, so the first slot is the first eligible instant (e.g. 09:00).
 
 * **First day / floor.** Only eligible time at or after a floor counts: ``start`` on the first day,
-  one microsecond after the previous slot afterwards (this only bites in zones that fall back across
-  midnight). The ``N`` slots are spread over what remains; a day with less than ``N`` microseconds of
+  one microsecond after the previous slot afterwards (this only bites when a local date occurs
+  twice, e.g. America/Juneau in October 1867). The ``N`` slots are spread over what remains; a day with less than ``N`` microseconds of
   remaining eligible time (e.g. ``start`` after the last window) is skipped, as are days whose
   weekday is not allowed. Output is therefore strictly increasing.
 """

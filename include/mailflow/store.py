@@ -15,6 +15,7 @@ import psycopg
 from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
+from mailflow import settings
 from mailflow.campaigns import Campaign
 from mailflow.model import Accepted, MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext, Unknown
 from mailflow.sql import query
@@ -72,15 +73,14 @@ class PostgresStore:
         key = (name, campaign.name)
         if key not in self._sql_cache:
             # The audience file is trusted, version-controlled SQL (not input): composed in as SQL.
-            self._sql_cache[key] = pgsql.SQL(query("lifecycle", name)).format(
-                audience=pgsql.SQL(campaign.audience_sql)
-            )
+            eligible = pgsql.SQL(query("lifecycle", "eligible")).format(audience=pgsql.SQL(campaign.audience_sql))
+            self._sql_cache[key] = pgsql.SQL(query("lifecycle", name)).format(eligible=eligible)
         return self._sql_cache[key]
 
     @staticmethod
     def _params(campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> dict[str, Any]:
         return {"campaign": campaign.name, "window_start": window[0], "window_end": window[1],
-                "cooldown_since": cooldown_since}
+                "cooldown_since": cooldown_since, "max_attempts": settings.max_attempts()}
 
     def count_audience(self, campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> int:
         """Audience size after exclusions (emails), read in its own short transaction."""
@@ -155,7 +155,7 @@ class PostgresStore:
                 return Applied(failed=failed)
             if isinstance(outcome, NotSent):
                 n = len(self.conn.execute(query("send_log", "release"), who | {
-                    "ids": ids, "reason": outcome.reason[:1000]}).fetchall())
+                    "ids": ids, "reason": outcome.reason[:1000], "max_attempts": settings.max_attempts()}).fetchall())
                 return Applied(released=n)
             assert isinstance(outcome, Unknown)
             n = len(self.conn.execute(query("send_log", "note_unknown"), who | {

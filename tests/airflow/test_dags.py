@@ -50,7 +50,7 @@ def test_lifecycle_emails_shape(dagbag: Any) -> None:
     assert dag.max_active_runs == 1
     assert dag.catchup is False
     assert isinstance(dag.timetable, CronDataIntervalTimetable)
-    assert dag.timetable.summary == "0 * * * *"
+    assert (dag.timetable.expression, str(dag.timetable.timezone)) == ("0 * * * *", "UTC")
     assert dag.start_date == datetime(2026, 1, 1, tzinfo=UTC)
     assert [t.task_id for t in dag.tasks] == ["send_campaigns"]
     task = dag.get_task("send_campaigns")

@@ -465,7 +465,7 @@ def spec_and_start(draw: st.DrawFn) -> tuple[PlanSpec, datetime]:
     return spec, start
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec_and_start(), st.integers(0, 500))
 def test_properties(spec_start: tuple[PlanSpec, datetime], count: int):
     spec, start = spec_start

@@ -1,9 +1,9 @@
--- name: audience_page
--- The next page of a campaign's audience after the engine's exclusions, in user_id order
--- (keyset pagination, so each page is an index range and the run always makes progress).
+-- name: eligible
+-- A campaign's audience after the engine's exclusions: the one place every campaign is wrapped.
 -- The audience placeholder takes the campaign's own, version-controlled SQL; every value is bound.
--- Exclusions, in one place for every campaign:
+-- Exclusions:
 --   dedupe:      the user already has a live row for this campaign (unique key send_log_user_campaign_uq);
+--   attempts:    max_attempts whole-request failures for this campaign already (a dead letter);
 --   cooldown:    a pending/sending row of any campaign, or one sent since cooldown_since
 --                (no upper bound, so a backfill also sees what was sent after its interval);
 --   suppression: the user or the address is suppressed for all mail or for this campaign.
@@ -11,9 +11,10 @@ select a.user_id, a.email, to_jsonb(a) - 'user_id' - 'email' as context
 from (
 {audience}
 ) as a
-where a.user_id > %(after)s
-  and not exists (select 1 from mail.send_log d
+where not exists (select 1 from mail.send_log d
                   where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
+  and (select count(*) from mail.send_log r
+       where r.user_id = a.user_id and r.campaign = %(campaign)s and r.released_at is not null) < %(max_attempts)s
   and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id
                     and c.status in ('pending', 'sending', 'sent')
@@ -22,26 +23,23 @@ where a.user_id > %(after)s
                   where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
   and not exists (select 1 from mail.suppression s
                   where lower(s.email) = lower(a.email) and s.scope in ('all', %(campaign)s))
-order by a.user_id
+
+-- name: audience_page
+-- The next page of the eligible audience in user_id order (keyset pagination: each page is an
+-- index range and the run always makes progress, even if a minted row later loses a race).
+select e.user_id, e.email, e.context
+from (
+{eligible}
+) as e
+where e.user_id > %(after)s
+order by e.user_id
 limit %(limit)s
 
 -- name: audience_count
--- Size of the audience after the exclusions (same rules as audience_page), for the run summary
--- and dry runs.
-select count(*)
-from (
-{audience}
-) as a
-where not exists (select 1 from mail.send_log d
-                  where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
-  and not exists (select 1 from mail.send_log c
-                  where c.user_id = a.user_id
-                    and c.status in ('pending', 'sending', 'sent')
-                    and (c.status <> 'sent' or c.sent_at >= %(cooldown_since)s))
-  and not exists (select 1 from mail.suppression s
-                  where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
-  and not exists (select 1 from mail.suppression s
-                  where lower(s.email) = lower(a.email) and s.scope in ('all', %(campaign)s))
+-- Size of the eligible audience, for the run summary and dry runs.
+select count(*) from (
+{eligible}
+) as e
 
 -- name: mint
 -- Mint one chunk as claimed ('sending') rows. ON CONFLICT DO NOTHING on the live unique key:

@@ -39,17 +39,28 @@ select id, 'sending', 'failed', attempts, error, %(dag_id)s, %(run_id)s, %(task_
 returning send_log_id
 
 -- name: release
--- The whole request certainly failed (nothing delivered): sending -> failed and released_at set,
--- which takes the row out of the unique key so the next run's audience decides again. The row
--- stays in the log as history.
+-- The whole request certainly failed (nothing delivered).
+-- Lifecycle rows: sending -> failed with released_at set, which takes the row out of the unique
+-- key so the next run's audience decides again whether the user still qualifies (the row stays
+-- as history; max_attempts such failures exclude the user, see lifecycle.eligible).
+-- Scheduled rows: sending -> pending again, due after a backoff of 2^attempts minutes, keeping
+-- their place in the plan; with attempts exhausted: failed and dead-lettered.
 with changed as (
     update mail.send_log l
-    set status = 'failed', released_at = now(), error = %(reason)s
+    set status = case when l.kind = 'scheduled' and l.attempts < %(max_attempts)s then 'pending' else 'failed' end,
+        released_at = case when l.kind = 'lifecycle' then now() end,
+        dead_lettered_at = case when l.kind = 'scheduled' and l.attempts >= %(max_attempts)s then now() end,
+        scheduled_at = case when l.kind = 'scheduled'
+                            then greatest(l.scheduled_at, now() + make_interval(mins => power(2, l.attempts)::int))
+                            else l.scheduled_at end,
+        idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
+        batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
+        error = %(reason)s
     where l.id = any(%(ids)s::bigint[]) and l.status = 'sending'
-    returning l.id, l.attempts
+    returning l.id, l.attempts, l.status
 )
 insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
-select id, 'sending', 'failed', attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(task_id)s from changed
+select id, 'sending', status, attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(task_id)s from changed
 returning send_log_id
 
 -- name: note_unknown
