@@ -18,13 +18,16 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
+from mailflow.alerts import task_failure_alert
+
 with DAG(
     dag_id="lifecycle_emails",
     schedule=CronDataIntervalTimetable("0 * * * *", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"owner": "data-eng", "retries": 2, "retry_delay": timedelta(minutes=2)},
+    default_args={"owner": "data-eng", "retries": 2, "retry_delay": timedelta(minutes=2),
+                  "on_failure_callback": task_failure_alert},
     tags=["email", "lifecycle", "mailflow"],
     doc_md=__doc__,
     params={

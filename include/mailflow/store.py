@@ -124,6 +124,15 @@ class PostgresStore:
             "key": batch.idempotency_key, "ids": list(batch.row_ids),
             "idx": list(range(len(batch.row_ids)))})
 
+    def save_batch(self, batch: PreparedBatch) -> None:
+        """Store a batch's exact request bytes and give its rows (``sending``) the batch's key and
+        request indices, inside the CALLER's transaction (the scheduled dispatcher claims, renders
+        and stores in one transaction, so a ``sending`` row always has bytes to resend).
+
+        :raises psycopg.errors.UniqueViolation: if the idempotency key is already stored.
+        """
+        self._save_batch(batch)
+
     def rebatch(self, batch: PreparedBatch) -> None:
         """Store a new batch for rows already ``sending`` (after a strict-mode refusal): the rows
         take its key and indices, and its bytes become what any retry resends."""

@@ -79,3 +79,37 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
             client.close()
             log.info("provider requests: %s", client.stats)
     return [s.as_dict() for s in summaries]
+
+
+def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
+    """Repair stale claims, resend within the idempotency window, dead-letter and alert.
+
+    Params: ``stale_after_seconds`` (default MAILFLOW_STALE_AFTER_SECONDS or 900), ``max_attempts``
+    (default MAILFLOW_MAX_ATTEMPTS or 3), ``time_budget_seconds``.
+    """
+    import time
+    from datetime import timedelta
+
+    from mailflow.alerts import dead_letter_alert
+    from mailflow.migrate import migrate
+    from mailflow.provider.hook import ResendHook
+    from mailflow.repair import reconcile
+
+    params = context["params"]
+    ti = context["ti"]
+    run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
+    stale = float(params.get("stale_after_seconds") or settings.stale_after_seconds())
+    attempts = int(params.get("max_attempts") or settings.max_attempts())
+    with send_log_connection() as conn:
+        migrate(conn)
+        now = conn.execute("select now()").fetchone()[0]
+        conn.commit()
+        client = ResendHook(settings.RESEND_CONN_ID).get_conn()
+        try:
+            summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale), max_attempts=attempts,
+                                run=run, deadline=time.monotonic() + float(params.get("time_budget_seconds", 600)))
+        finally:
+            client.close()
+    log.info("reconcile: %s", summary.as_dict())
+    dead_letter_alert(summary.dead_letters, context)
+    return summary.as_dict()

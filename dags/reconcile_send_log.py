@@ -1,0 +1,51 @@
+"""
+### reconcile_send_log
+
+Every 30 minutes, repair what crashes and unknown provider outcomes left in `mail.send_log`:
+
+* stale `sending` rows (claimed more than `stale_after_seconds` ago; younger claims belong to a
+  live worker and are left alone): a row with a provider id becomes `sent`; a batch still inside the
+  provider's 24 h idempotency window is resent with the **same key and the same stored bytes**; a
+  batch past the window becomes `failed` ("unknown outcome") and is dead-lettered, never resent
+  under a new key;
+* users whose whole-request failures reached `max_attempts` are dead-lettered;
+* dead letters alert through the configured notifier (`MAILFLOW_ALERT`: log, smtp or slack).
+
+Running it twice changes nothing the second time: every change is guarded on the current state.
+"""
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
+
+from mailflow.alerts import task_failure_alert
+
+with DAG(
+    dag_id="reconcile_send_log",
+    schedule=CronDataIntervalTimetable("*/30 * * * *", timezone="UTC"),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    default_args={"owner": "data-eng", "retries": 2, "retry_delay": timedelta(minutes=2),
+                  "on_failure_callback": task_failure_alert},
+    tags=["email", "reconcile", "mailflow"],
+    doc_md=__doc__,
+    params={
+        "stale_after_seconds": Param(900, type="integer", minimum=60,
+                                     description="A sending claim older than this (s) is stale."),
+        "max_attempts": Param(3, type="integer", minimum=1, maximum=10,
+                              description="Whole-request failures before an email is dead-lettered."),
+        "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=1500,
+                                     description="Stop resending batches after this many seconds."),
+    },
+) as dag:
+
+    @task(pool="email_provider", execution_timeout=timedelta(minutes=25))
+    def reconcile(**context) -> dict:
+        """Repair stale claims, resend inside the idempotency window, dead-letter and alert."""
+        from mailflow.tasks import reconcile_send_log
+
+        return reconcile_send_log(context)
+
+    reconcile()

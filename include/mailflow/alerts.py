@@ -1,0 +1,74 @@
+"""Alerts through Airflow notifiers: task failures and dead letters.
+
+Which notifier is chosen by ``MAILFLOW_ALERT`` (an environment setting, never a secret):
+
+* ``log`` (default): :class:`LogNotifier`, an ERROR line in the task log;
+* ``smtp:<conn_id>:<to>``: the SMTP provider's ``SmtpNotifier`` through that connection;
+* ``slack:<conn_id>:<channel>``: the Slack provider's ``SlackNotifier`` (if installed).
+
+Messages carry counts, campaign names and masked addresses only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from airflow.sdk import BaseNotifier
+
+log = logging.getLogger("mailflow.alerts")
+
+
+class LogNotifier(BaseNotifier):
+    """Write the (templated) message to the task log at ERROR level."""
+
+    template_fields = ("message",)
+
+    def __init__(self, message: str, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.message = message
+
+    def notify(self, context: Any) -> None:
+        log.error("ALERT: %s", self.message)
+
+
+def notifier(message: str, subject: str = "mailflow alert") -> BaseNotifier:
+    """The configured notifier for ``message`` (see the module docstring).
+
+    :raises ValueError: on a malformed ``MAILFLOW_ALERT`` value, naming it.
+    """
+    spec = os.environ.get("MAILFLOW_ALERT", "log").strip()
+    kind, _, rest = spec.partition(":")
+    if kind == "log":
+        return LogNotifier(message)
+    conn_id, _, target = rest.partition(":")
+    if not conn_id or not target:
+        raise ValueError(f"MAILFLOW_ALERT={spec!r}: expected log, smtp:<conn_id>:<to> or slack:<conn_id>:<channel>")
+    if kind == "smtp":
+        from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+
+        return SmtpNotifier(to=target, smtp_conn_id=conn_id, subject=subject, html_content=f"<pre>{message}</pre>")
+    if kind == "slack":
+        from airflow.providers.slack.notifications.slack import SlackNotifier
+
+        return SlackNotifier(slack_conn_id=conn_id, channel=target, text=message)
+    raise ValueError(f"MAILFLOW_ALERT={spec!r}: unknown notifier {kind!r}")
+
+
+def task_failure_alert(context: Any) -> None:
+    """``on_failure_callback`` for every mailflow task: one alert naming the DAG, run and task."""
+    ti = context.get("ti") or context.get("task_instance")
+    where = f"{getattr(ti, 'dag_id', '?')}/{getattr(ti, 'run_id', '?')}/{getattr(ti, 'task_id', '?')}"
+    notifier(f"task failed: {where}: {context.get('exception')}", subject=f"mailflow task failed: {where}")(context)
+
+
+def dead_letter_alert(dead_letters: list[dict[str, Any]], context: Any) -> None:
+    """Alert once for the dead letters a reconcile run created (no-op for an empty list)."""
+    if not dead_letters:
+        return
+    lines = [f"{len(dead_letters)} email(s) dead-lettered; a person must decide (mail.send_log.dead_lettered_at):"]
+    lines += [f"  send_log.id={d['id']} campaign={d['campaign']} to={d['email']}: {d['error']}" for d in dead_letters[:50]]
+    if len(dead_letters) > 50:
+        lines.append(f"  ... and {len(dead_letters) - 50} more")
+    notifier("\n".join(lines), subject=f"mailflow: {len(dead_letters)} dead letter(s)")(context)

@@ -1,0 +1,125 @@
+"""The reconciler: repair what a crash or an unknown provider outcome left behind.
+
+Runs every 30 minutes (``reconcile_send_log``). In order, each step a guarded, idempotent change:
+
+1. a stale ``sending`` row (claimed longer ago than ``stale_after`` seconds; younger claims belong
+   to a live worker and are never touched) that already has a provider id becomes ``sent``;
+2. a stale ``sending`` row without a stored batch was never requested: rolled back;
+3. a stale batch older than the provider's idempotency window (Resend keeps keys 24 h; we use
+   ``window`` = 23 h for a margin) is never resent under a new key: its rows become ``failed``
+   ("unknown outcome") and dead-lettered for a person to decide;
+4. a stale batch inside the window is re-claimed (conditional update) and resent with the SAME key
+   and the SAME stored bytes: the provider answers with the original result if it had accepted it;
+   the answer is applied by index like any send;
+5. (user, campaign) pairs whose whole-request failures reached ``max_attempts`` get their newest
+   attempt dead-lettered (the audience no longer selects them).
+
+Dead letters found in steps 3 and 5 are returned so the DAG can alert through a notifier.
+Running it twice changes nothing the second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from mailflow.engine import BatchProvider
+from mailflow.model import PreparedBatch, RunContext
+from mailflow.sql import query
+from mailflow.store import PostgresStore, mask_email
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_WINDOW = timedelta(hours=23)  # Resend keeps keys 24 h; 1 h of margin
+
+
+@dataclass
+class RepairSummary:
+    """Counts of one reconcile run (rows), plus the dead letters created (dicts: id, user_id,
+    campaign, masked email, error)."""
+
+    promoted_sent: int = 0
+    rolled_back_unbatched: int = 0
+    unknown_outcome_failed: int = 0
+    batches_resent: int = 0
+    resent_sent: int = 0
+    resent_failed: int = 0
+    resent_rolled_back: int = 0
+    resent_still_unknown: int = 0
+    dead_lettered_exhausted: int = 0
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+
+    def changed(self) -> int:
+        """Rows whose state changed in this run."""
+        return (self.promoted_sent + self.rolled_back_unbatched + self.unknown_outcome_failed + self.resent_sent
+                + self.resent_failed + self.resent_rolled_back + self.dead_lettered_exhausted)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "dead_letters"} | {
+            "dead_letters": len(self.dead_letters)}
+
+
+def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetime,
+              stale_after: timedelta = timedelta(minutes=15), max_attempts: int = 3,
+              window: timedelta = IDEMPOTENCY_WINDOW, run: RunContext | None = None,
+              deadline: float = float("inf"), batch_limit: int = 500) -> RepairSummary:
+    """Run the repair steps once; see the module docstring.
+
+    :param conn: psycopg 3 connection to the send log (not autocommit).
+    :param now: the database-consistent "now" (aware UTC) the stale threshold and the idempotency
+        window are measured from (the reconciler repairs the present, so wall time is right here).
+    :param deadline: ``time.monotonic()`` value after which no new batch is resent.
+    """
+    run = run or RunContext()
+    who = {"dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}
+    stale_before = now - stale_after
+    window_start = now - window
+    params = who | {"stale_before": stale_before, "window_start": window_start}
+    s = RepairSummary()
+    with conn.transaction():
+        s.promoted_sent = len(conn.execute(query("repair", "promote_with_provider_id"), params).fetchall())
+        s.rolled_back_unbatched = len(conn.execute(query("repair", "release_unbatched"), params).fetchall())
+        for r in conn.execute(query("repair", "fail_past_window"), params).fetchall():
+            s.unknown_outcome_failed += 1
+            s.dead_letters.append({"id": r[0], "user_id": r[1], "campaign": r[2], "email": mask_email(r[3]), "error": r[4]})
+
+    store = PostgresStore(conn)
+    with conn.transaction():
+        batches = conn.execute(query("repair", "stale_batches"), params | {"limit": batch_limit}).fetchall()
+    for key, campaign, body, count in batches:
+        if time.monotonic() >= deadline:
+            break
+        with conn.transaction():
+            rows = conn.execute(query("repair", "claim_stale_batch"), params | {"key": key}).fetchall()
+        claimed = [r for r in rows if r[3]]
+        if not claimed:
+            continue  # a live worker or another reconciler owns it now
+        if len(rows) != count or [r[1] for r in rows] != list(range(count)):
+            log.error("batch %s: %d rows with indices %s do not match its %d emails; left for a person",
+                      key, len(rows), [r[1] for r in rows], count)
+            continue
+        batch = PreparedBatch(idempotency_key=key, campaign=campaign, row_ids=tuple(r[0] for r in rows), body=bytes(body))
+        outcome = provider.send_batch(batch, deadline)
+        # Rows of the batch that are no longer 'sending' are skipped by the guarded updates.
+        applied = store.apply(batch, outcome, run)
+        s.batches_resent += 1
+        s.resent_sent += applied.sent
+        s.resent_failed += applied.failed
+        s.resent_rolled_back += applied.released
+        s.resent_still_unknown += applied.unknown
+        log.info("resent batch %s (%s, %d emails): %d sent, %d rejected, %d rolled back, %d still unknown",
+                 key, campaign, count, applied.sent, applied.failed, applied.released, applied.unknown)
+        if outcome.stop_run:
+            log.warning("stopping the resend step: %s", outcome.stop_run)
+            break
+
+    with conn.transaction():
+        for r in conn.execute(query("repair", "dead_letter_exhausted"), who | {"max_attempts": max_attempts}).fetchall():
+            s.dead_lettered_exhausted += 1
+            s.dead_letters.append({"id": r[0], "user_id": r[1], "campaign": r[2], "email": mask_email(r[3]), "error": r[4]})
+    return s

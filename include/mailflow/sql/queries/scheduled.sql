@@ -1,0 +1,249 @@
+-- name: campaign_insert
+-- Create a campaign (status draft); every value is bound. Returns its id.
+insert into mail.campaign (name, timezone, emails_per_day, weekdays, windows, start_at, template, subject,
+                           from_address, reply_to, recipients_sql, recipients_table, marketing)
+values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, coalesce(%(start_at)s, now()),
+        %(template)s, %(subject)s, %(from_address)s, %(reply_to)s, %(recipients_sql)s, %(recipients_table)s,
+        %(marketing)s)
+returning id
+
+-- name: campaign_lock
+-- One campaign row, locked for the rest of the transaction: provisioning chunks, status changes
+-- and re-planning of one campaign are serialised on it (two provisioning runs never interleave).
+select * from mail.campaign where id = %(id)s for update
+
+-- name: campaign_by_id
+-- One campaign row (no lock).
+select * from mail.campaign where id = %(id)s
+
+-- name: campaign_id_by_name
+-- Resolve a campaign name to its id.
+select id from mail.campaign where name = %(name)s
+
+-- name: campaigns_by_name
+-- The campaign rows the dispatcher renders for (no lock).
+select * from mail.campaign where name = any(%(names)s::text[])
+
+-- name: campaign_event
+-- Append one campaign event (a status change or a provisioning / re-planning milestone).
+insert into mail.campaign_event (campaign_id, from_status, to_status, detail, actor)
+values (%(id)s, %(from_status)s, %(to_status)s, %(detail)s, %(actor)s)
+
+-- name: campaign_set_status
+-- Guarded status change: only from the expected current status (the caller holds the row lock).
+update mail.campaign set status = %(to_status)s, updated_at = now()
+where id = %(id)s and status = %(from_status)s
+returning id
+
+-- name: recipients_page
+-- The next page of a campaign's recipients in user_id order (keyset on the checkpoint). The
+-- source is the campaign's version-controlled SQL file or its uploaded list table (composed as
+-- SQL / an identifier, never from input); the whole row comes back as one JSON object.
+select to_jsonb(r) as rec
+from (
+{source}
+) as r
+where r.user_id > %(after)s
+order by r.user_id
+limit %(limit)s
+
+-- name: recipients_count
+-- How many recipients remain after the checkpoint (dry runs).
+select count(*)
+from (
+{source}
+) as r
+where r.user_id > %(after)s
+
+-- name: provision_rows
+-- One chunk of pending rows (kind 'scheduled') with their planned time and recipient snapshot.
+-- ON CONFLICT DO NOTHING on the live unique key (user_id, campaign): a row that exists is kept as
+-- it is. The creation event (null -> pending) is appended in the same statement.
+with created as (
+    insert into mail.send_log (user_id, campaign, kind, email, context, status, scheduled_at,
+                               dag_id, run_id, task_id)
+    select p.user_id, %(campaign)s, 'scheduled', p.email, p.context, 'pending', p.scheduled_at,
+           %(dag_id)s, %(run_id)s, %(task_id)s
+    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, context jsonb, scheduled_at timestamptz)
+    order by p.user_id
+    on conflict (user_id, campaign) where released_at is null do nothing
+    returning id
+), ev as (
+    insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
+    select id, null, 'pending', 0, %(dag_id)s, %(run_id)s, %(task_id)s from created
+)
+select count(*) from created
+
+-- name: advance_checkpoint
+-- The provisioning checkpoint, in the same transaction as the chunk it covers.
+update mail.campaign
+set provisioned_count = provisioned_count + %(created)s,
+    provision_cursor = %(cursor)s,
+    planned_through = %(planned_through)s,
+    plan_start = %(plan_start)s,
+    updated_at = now()
+where id = %(id)s
+
+-- name: mark_provisioned
+-- The recipient list is exhausted: provisioning is complete (until new recipients appear).
+update mail.campaign
+set provisioned_at = coalesce(provisioned_at, now()), plan_start = coalesce(plan_start, %(plan_start)s),
+    updated_at = now()
+where id = %(id)s
+
+-- name: cancel_suppressed_due
+-- Due pending rows of active campaigns whose user or address is suppressed (for all mail or this
+-- campaign) are cancelled before anything is claimed; rows another dispatcher holds are skipped.
+with gone as (
+    update mail.send_log l
+    set status = 'cancelled', error = 'suppressed before sending'
+    where l.id in (
+        select d.id
+        from mail.send_log d
+        join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
+        where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+          and (exists (select 1 from mail.suppression s
+                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
+               or exists (select 1 from mail.suppression s
+                          where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign)))
+        for update of d skip locked)
+      and l.status = 'pending'
+    returning l.id, l.attempts
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'pending', 'cancelled', attempts, 'suppressed before sending', %(dag_id)s, %(run_id)s, %(task_id)s
+from gone
+returning send_log_id
+
+-- name: due_wait
+-- Seconds (database clock) until the dispatcher should claim: when the earliest pending row of an
+-- active campaign has waited coalesce_seconds, or as soon as a full batch is due, whichever is
+-- first. <= 0: claim now; null: nothing pending in any active campaign.
+with p as (
+    select d.scheduled_at
+    from mail.send_log d
+    join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
+    where d.status = 'pending' and d.kind = 'scheduled'
+    order by d.scheduled_at
+    limit %(batch)s
+)
+select extract(epoch from least(min(scheduled_at) + make_interval(secs => %(coalesce)s),
+                                case when count(*) >= %(batch)s then max(scheduled_at) end) - now())::float8
+from p
+
+-- name: claim_due
+-- Claim up to `limit` due rows of ONE active campaign (the one with the earliest due row nobody
+-- else holds): pending -> sending, claimed_at, attempts + 1 and the event, in one statement.
+-- FOR UPDATE SKIP LOCKED: two dispatchers never claim the same row and never wait on each other;
+-- `l.status = 'pending'` re-checks the state, so a row sent or cancelled meanwhile is skipped.
+with pick as (
+    select d.campaign
+    from mail.send_log d
+    join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
+    where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+      and not exists (select 1 from mail.suppression s
+                      where s.user_id = d.user_id and s.scope in ('all', d.campaign))
+      and not exists (select 1 from mail.suppression s
+                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign))
+    order by d.scheduled_at, d.id
+    limit 1
+    for update of d skip locked
+), claimed as (
+    update mail.send_log l
+    set status = 'sending', claimed_at = now(), attempts = l.attempts + 1,
+        dag_id = %(dag_id)s, run_id = %(run_id)s, task_id = %(task_id)s
+    where l.id in (
+        select d.id
+        from mail.send_log d
+        where d.campaign = (select campaign from pick)
+          and d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+          and not exists (select 1 from mail.suppression s
+                          where s.user_id = d.user_id and s.scope in ('all', d.campaign))
+          and not exists (select 1 from mail.suppression s
+                          where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign))
+        order by d.scheduled_at, d.id
+        limit %(limit)s
+        for update skip locked)
+      and l.status = 'pending'
+    returning l.id, l.user_id, l.email, l.context, l.campaign, l.attempts, l.scheduled_at
+), ev as (
+    insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
+    select id, 'pending', 'sending', attempts, %(dag_id)s, %(run_id)s, %(task_id)s from claimed
+)
+select id, user_id, email, context, campaign, attempts from claimed order by scheduled_at, id
+
+-- name: cancel_pending
+-- Cancel: every pending row of the campaign -> cancelled (rows already sending finish as they
+-- are; sent/failed rows are terminal and untouched), with one event per row.
+with gone as (
+    update mail.send_log l
+    set status = 'cancelled', error = %(reason)s
+    where l.campaign = %(campaign)s and l.status = 'pending'
+    returning l.id, l.attempts
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'pending', 'cancelled', attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(task_id)s from gone
+returning send_log_id
+
+-- name: pending_in_order
+-- A campaign's pending rows in plan order, locked (re-planning at resume).
+select id, scheduled_at
+from mail.send_log
+where campaign = %(campaign)s and status = 'pending'
+order by scheduled_at, id
+for update
+
+-- name: replan_rows
+-- Give pending rows their re-planned times (guarded: only rows still pending).
+update mail.send_log l
+set scheduled_at = r.at
+from unnest(%(ids)s::bigint[], %(times)s::timestamptz[]) as r(id, at)
+where l.id = r.id and l.status = 'pending'
+
+-- name: set_plan
+-- The campaign's plan after re-planning: anchor, slots skipped on its first day, last slot used.
+update mail.campaign
+set plan_start = %(plan_start)s, plan_skip = %(plan_skip)s, planned_through = %(planned_through)s,
+    updated_at = now()
+where id = %(id)s
+
+-- name: sent_between
+-- Emails of a campaign sent or in flight in [start, end) (the per-day cap at resume).
+select count(*)
+from mail.send_log
+where campaign = %(campaign)s and status in ('sent', 'sending')
+  and coalesce(sent_at, claimed_at) >= %(start)s and coalesce(sent_at, claimed_at) < %(end)s
+
+-- name: complete_finished
+-- A scheduled campaign whose list is fully provisioned and which has no pending or sending row
+-- left is completed (optionally only campaign `id`); the event is appended in the same statement.
+with done as (
+    update mail.campaign c
+    set status = 'completed', updated_at = now()
+    where c.status = 'scheduled' and c.provisioned_at is not null
+      and (%(id)s::bigint is null or c.id = %(id)s::bigint)
+      and not exists (select 1 from mail.send_log l
+                      where l.campaign = c.name and l.status in ('pending', 'sending'))
+    returning c.id, c.name
+), ev as (
+    insert into mail.campaign_event (campaign_id, from_status, to_status, actor)
+    select id, 'scheduled', 'completed', %(actor)s from done
+)
+select id, name from done
+
+-- name: campaign_counts
+-- Rows of one campaign by status, plus the next due time and send lateness percentiles (seconds).
+select count(*) filter (where status = 'pending') as pending,
+       count(*) filter (where status = 'sending') as sending,
+       count(*) filter (where status = 'sent') as sent,
+       count(*) filter (where status = 'failed') as failed,
+       count(*) filter (where status = 'cancelled') as cancelled,
+       count(*) filter (where dead_lettered_at is not null) as dead_lettered,
+       min(scheduled_at) filter (where status = 'pending') as next_due,
+       max(sent_at) as last_sent,
+       percentile_cont(0.5) within group (order by extract(epoch from sent_at - scheduled_at))
+           filter (where status = 'sent') as lateness_p50_s,
+       percentile_cont(0.99) within group (order by extract(epoch from sent_at - scheduled_at))
+           filter (where status = 'sent') as lateness_p99_s
+from mail.send_log
+where campaign = %(campaign)s and kind = 'scheduled'
