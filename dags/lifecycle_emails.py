@@ -9,6 +9,9 @@ sends each chunk as one `POST /emails/batch` and reconciles rejections by index.
 
 * Time budget: checked between chunks, never inside one; what is left waits for the next run.
 * Retries of this task are safe: the send log's unique key and the cooldown skip what was minted.
+* Backfills re-select each interval's own audience; an interval that ended more than a campaign's
+  `max_interval_age` (6 h) ago sends nothing unless the run sets `allow_old_interval`.
+* Unpausing after days off: `catchup=False` creates one run, for the latest interval only.
 * Connections: `send_log_db` (Postgres), `resend_default` (API key = password), `mail_unsubscribe`.
 * Pool `email_provider` bounds concurrent send tasks; the shared pacer in Postgres enforces the rate.
 """
@@ -19,6 +22,7 @@ import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import task_failure_alert
+from mailflow.assets import SEND_LOG
 
 with DAG(
     dag_id="lifecycle_emails",
@@ -39,10 +43,13 @@ with DAG(
                            description="Run only these campaigns (names from lifecycle.toml); empty = all."),
         "dry_run": Param(False, type="boolean",
                          description="Only count audiences and render a sample; mint and send nothing."),
+        "allow_old_interval": Param(False, type="boolean",
+                                    description="Backfills: send for intervals older than a campaign's "
+                                    "max_interval_age (default 6 h). Off: an old interval sends nothing."),
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=15))
+    @task(pool="email_provider", execution_timeout=timedelta(minutes=15), outlets=[SEND_LOG])
     def send_campaigns(**context) -> list[dict]:
         """Send every campaign for this run's data interval; returns per-campaign counts."""
         from mailflow.tasks import lifecycle

@@ -20,6 +20,7 @@ import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import task_failure_alert
+from mailflow.assets import SEND_LOG
 
 with DAG(
     dag_id="reconcile_send_log",
@@ -41,7 +42,7 @@ with DAG(
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=25))
+    @task(pool="email_provider", execution_timeout=timedelta(minutes=25), outlets=[SEND_LOG])
     def reconcile(**context) -> dict:
         """Repair stale claims, resend inside the idempotency window, dead-letter and alert."""
         from mailflow.tasks import reconcile_send_log

@@ -191,8 +191,8 @@ def run_chaos(dsn: str, *, kills: int = 200, users: int = 5000, seed: int = 7, c
         while True:
             rounds += 1
             with psycopg.connect(dsn) as conn, _client(dsn, emu.base_url) as client:
+                conn.autocommit = True
                 now = conn.execute("select now()").fetchone()[0]  # type: ignore[index]
-                conn.commit()
                 rep = reconcile(conn, client, now=now, stale_after=timedelta(0),
                                 run=RunContext(dag_id="chaos", run_id=f"reconcile-{rounds}", task_id="reconcile"))
             _fork_run(dsn, emu.base_url, chunk_size, None)

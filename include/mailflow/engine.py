@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from datetime import datetime
 from functools import partial
 from typing import Protocol
 
@@ -61,6 +62,8 @@ def run_lifecycle(
     budget_seconds: float = 240.0,
     chunk_size: int = MAX_BATCH,
     clock: Clock | None = None,
+    now: datetime | None = None,
+    allow_old_interval: bool = False,
 ) -> list[CampaignSummary]:
     """Send every campaign's audience for one data interval, highest priority first.
 
@@ -68,6 +71,10 @@ def run_lifecycle(
     nothing here reads the wall clock for selection, so a backfill re-selects the audience of its
     own interval. The time budget (seconds, monotonic) is checked between chunks only; what is not
     minted when it runs out is left for the next run.
+
+    Backfills: when ``now`` (aware, the wall clock of the run) is given and the interval ended more
+    than ``campaign.max_interval_age`` before it, the campaign sends nothing (its moment has passed)
+    unless ``allow_old_interval``; the summary says so. ``now`` only gates; it never selects.
 
     :returns: one :class:`CampaignSummary` per campaign, in priority order.
     :raises SendError: after recording everything, if the provider refused the key or an idempotency
@@ -86,6 +93,11 @@ def run_lifecycle(
         window = campaign.window(interval)
         cooldown_since = interval.end - campaign.cooldown
         summary.eligible = store.count_audience(campaign, window, cooldown_since)
+        if now is not None and not allow_old_interval and now - interval.end > campaign.max_interval_age:
+            summary.stopped = f"interval ended {now - interval.end} ago, over max_interval_age {campaign.max_interval_age}"
+            log.info("%s: %d eligible, not sent: %s (allow_old_interval to send)", campaign.name, summary.eligible,
+                     summary.stopped)
+            continue
         if stop is None and clock.monotonic() >= deadline:
             stop = "time budget"
         if stop is not None:

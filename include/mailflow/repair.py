@@ -70,11 +70,13 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
               deadline: float = float("inf"), batch_limit: int = 500) -> RepairSummary:
     """Run the repair steps once; see the module docstring.
 
-    :param conn: psycopg 3 connection to the send log (not autocommit).
+    :param conn: psycopg 3 connection to the send log, idle (switched to autocommit; each step is an
+        explicit transaction).
     :param now: the database-consistent "now" (aware UTC) the stale threshold and the idempotency
         window are measured from (the reconciler repairs the present, so wall time is right here).
     :param deadline: ``time.monotonic()`` value after which no new batch is resent.
     """
+    store = PostgresStore(conn)  # sets autocommit: each step below commits on its own
     run = run or RunContext()
     who = {"dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}
     stale_before = now - stale_after
@@ -88,7 +90,6 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
             s.unknown_outcome_failed += 1
             s.dead_letters.append({"id": r[0], "user_id": r[1], "campaign": r[2], "email": mask_email(r[3]), "error": r[4]})
 
-    store = PostgresStore(conn)
     with conn.transaction():
         batches = conn.execute(query("repair", "stale_batches"), params | {"limit": batch_limit}).fetchall()
     for key, campaign, body, count in batches:

@@ -62,10 +62,18 @@ class Store(Protocol):
 class PostgresStore:
     """The send log in PostgreSQL (schema ``mail``, see ``sql/migrations``).
 
-    :param conn: a psycopg 3 connection (not autocommit); the store owns transactions on it.
+    :param conn: a psycopg 3 connection, idle; the store switches it to autocommit so that nothing
+        can hold a transaction open by accident: every unit of work is an explicit
+        ``conn.transaction()`` that commits when it ends (a send is never recorded inside a
+        transaction that a later crash could roll back).
+    :raises ValueError: if the connection is inside a transaction.
     """
 
     def __init__(self, conn: psycopg.Connection):
+        if not conn.autocommit:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                raise ValueError("PostgresStore needs an idle connection (commit or roll back first)")
+            conn.autocommit = True
         self.conn = conn
         self._sql_cache: dict[tuple[str, str], pgsql.Composed] = {}
 

@@ -43,7 +43,8 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the lifecycle campaigns for the task's data interval; return per-campaign summaries.
 
     Params used: ``time_budget_seconds`` (s), ``chunk_size`` (emails, 1-100), ``campaigns`` (subset
-    of names; empty = all), ``dry_run`` (audience counts and a rendered sample, nothing minted).
+    of names; empty = all), ``dry_run`` (audience counts and a rendered sample, nothing minted),
+    ``allow_old_interval`` (a backfill of an interval older than a campaign's max_interval_age sends).
     """
     from mailflow.campaigns import load_campaigns
     from mailflow.engine import run_lifecycle
@@ -61,6 +62,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
     with send_log_connection() as conn:
+        conn.autocommit = True  # every unit of work below is an explicit, committed transaction
         migrate(conn)
         store = PostgresStore(conn)
         if params.get("dry_run"):
@@ -70,7 +72,9 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
         try:
             summaries = run_lifecycle(store, client, renderer, campaigns, interval, run=run,
                                       budget_seconds=float(params.get("time_budget_seconds", 240)),
-                                      chunk_size=int(params.get("chunk_size", 100)))
+                                      chunk_size=int(params.get("chunk_size", 100)),
+                                      now=conn.execute("select now()").fetchone()[0],
+                                      allow_old_interval=bool(params.get("allow_old_interval", False)))
         except SendError as exc:
             for s in exc.summaries:
                 log.error("summary: %s", s.as_dict())
@@ -101,9 +105,9 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     stale = float(params.get("stale_after_seconds") or settings.stale_after_seconds())
     attempts = int(params.get("max_attempts") or settings.max_attempts())
     with send_log_connection() as conn:
+        conn.autocommit = True  # every unit of work below is an explicit, committed transaction
         migrate(conn)
         now = conn.execute("select now()").fetchone()[0]
-        conn.commit()
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
             summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale), max_attempts=attempts,

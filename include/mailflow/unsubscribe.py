@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 _KID = re.compile(r"^[a-z0-9]{1,16}$")
 _LIST = re.compile(r"^[a-z0-9_]{1,64}$")
+_UID = re.compile(r"^[0-9]{1,18}$")
 ALL_MARKETING = "all"
 
 
@@ -63,11 +64,13 @@ class UnsubscribeSigner:
         :raises InvalidToken: for anything else (never another exception type).
         """
         text = token.strip().rstrip(".,;:!?)>]}'\"").lower()
+        if not text.isascii():
+            raise InvalidToken("malformed token")  # tokens are [a-z0-9._-]; no second spelling
         parts = text.split(".")
         if len(parts) != 4:
             raise InvalidToken("malformed token")
         kid, uid, list_id, sig = parts
-        if kid not in self.keys or not uid.isdigit() or len(uid) > 19 or not _LIST.match(list_id):
+        if kid not in self.keys or not _UID.match(uid) or not _LIST.match(list_id):
             raise InvalidToken("malformed token or unknown key")
         expected = self._sig(kid, int(uid), list_id)
         if not hmac.compare_digest(expected.encode(), sig.encode()):

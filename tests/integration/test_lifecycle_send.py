@@ -283,6 +283,17 @@ class RacingConnection:
         self._conn, self._other, self._uid, self._campaign = conn, other, uid, campaign
         self.fired = False
 
+    @property
+    def autocommit(self) -> bool:
+        return self._conn.autocommit
+
+    @autocommit.setter
+    def autocommit(self, value: bool) -> None:
+        self._conn.autocommit = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
     def transaction(self) -> Any:
         return self._conn.transaction()
 

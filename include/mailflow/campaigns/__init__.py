@@ -26,6 +26,9 @@ class Campaign:
     :ivar audience_sql: the campaign's own rule (SQL text, ``%(window_start)s``/``%(window_end)s``).
     :ivar cooldown: nobody with a live or sent email (any campaign) within this span is selected.
     :ivar audience_window: the audience looks at ``[interval.end - audience_window, interval.end)``.
+    :ivar max_interval_age: a run whose data interval ended longer ago than this (a backfill of an
+        old interval) sends nothing for this campaign unless the run allows old intervals: its
+        moment has passed (default 6 hours).
     """
 
     name: str
@@ -38,6 +41,7 @@ class Campaign:
     cooldown: timedelta
     audience_window: timedelta
     marketing: bool = True
+    max_interval_age: timedelta = timedelta(hours=6)
 
     def window(self, interval: DataInterval) -> tuple:
         """Return ``(window_start, window_end)`` (aware, UTC) for a run's data interval."""
@@ -73,6 +77,7 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
         try:
             cooldown = as_timedelta(merged.get("cooldown", "P7D"))
             window = as_timedelta(merged.get("audience_window", "PT1H"))
+            max_age = as_timedelta(merged.get("max_interval_age", "PT6H"))
         except ValueError as exc:
             raise ValueError(f"{path.name}: campaign {label!r}: {exc}") from None
         out.append(
@@ -87,6 +92,7 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
                 cooldown=cooldown,
                 audience_window=window,
                 marketing=bool(merged.get("marketing", True)),
+                max_interval_age=max_age,
             )
         )
     names = [c.name for c in out]
