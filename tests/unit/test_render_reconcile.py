@@ -288,8 +288,6 @@ def test_signer_configuration_is_validated() -> None:
 
 
 @pytest.mark.parametrize("uid", ["\u00b2", "1\u00b3", "\u2460"])  # superscript two, "1³", circled one
-@pytest.mark.xfail(strict=True, reason="BUG: unsubscribe.py:70 accepts any str.isdigit() user id (Unicode "
-                   "superscripts, circled digits) and then int() raises a plain ValueError, not InvalidToken")
 def test_a_non_ascii_digit_user_id_is_an_invalid_token(uid: str) -> None:
     s = signer_from_secret(SECRET)
     sig = s.token(2, "all").split(".")[3]
@@ -297,8 +295,6 @@ def test_a_non_ascii_digit_user_id_is_an_invalid_token(uid: str) -> None:
         s.verify(f"k1.{uid}.all.{sig}")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: unsubscribe.py:70 uid.isdigit() admits non-ASCII decimal digits, "
-                   "so a second spelling of a token (fullwidth digits) verifies; tokens are documented as [a-z0-9._-]")
 def test_fullwidth_digits_are_not_a_second_spelling_of_a_token() -> None:
     s = signer_from_secret(SECRET)
     sig = s.token(42, "all").split(".")[3]
