@@ -21,6 +21,10 @@ from mailflow.model import MintedRow, PreparedBatch
 from mailflow.unsubscribe import UnsubscribeSigner
 
 
+class RenderError(ValueError):
+    """A row could not be rendered; the message names the campaign, the row and the reason."""
+
+
 def _autoescape(name: str | None) -> bool:
     return bool(name) and ".html" in str(name)
 
@@ -97,8 +101,20 @@ class Renderer:
         return email
 
     def prepare_batch(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
-        """Render ``rows`` (in the given order: request index i = rows[i]) into one batch."""
-        emails = [self.render_email(campaign, r) for r in rows]
+        """Render ``rows`` (in the given order: request index i = rows[i]) into one batch.
+
+        :raises RenderError: naming the campaign, the template and the user when a row cannot be
+            rendered (e.g. a template variable its audience does not provide). Raised inside the
+            mint transaction, so the chunk is not minted; earlier chunks stay recorded.
+        """
+        emails = []
+        for r in rows:
+            try:
+                emails.append(self.render_email(campaign, r))
+            except (jinja2.TemplateError, ValueError, TypeError) as exc:
+                raise RenderError(f"campaign {campaign.name!r}: cannot render the email for user {r.user_id} "
+                                  f"(template {campaign.template!r}; chunk not minted): "
+                                  f"{type(exc).__name__}: {exc}") from exc
         body = json.dumps(emails, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
         ids = tuple(r.id for r in rows)
         return PreparedBatch(idempotency_key=idempotency_key(campaign.name, ids), campaign=campaign.name, row_ids=ids, body=body)

@@ -194,3 +194,19 @@ def test_chaos_short(db_dsn: str, pg_admin_dsn: str) -> None:
                                     "delivered_without_sent": 0, "provider_id_mismatch": 0,
                                     "eligible_users_without_row": 0, "rows_still_sending": 0}
     assert report["delivered"] == report["states"]["sent"]
+
+
+def test_a_row_that_cannot_render_names_the_user_and_keeps_what_was_recorded(rig: Rig) -> None:
+    from mailflow.render import RenderError
+
+    for uid in range(1, 4):
+        add_user(rig.db, uid)
+    good = simple_campaign("good", 1, "user_id = 1")
+    bad = simple_campaign("bad", 2, "user_id >= 2")
+    bad = type(bad)(**{**bad.__dict__, "template": "finish_assessment"})  # needs user.assessment_kind
+    with pytest.raises(RenderError) as err:
+        rig.run([good, bad])
+    assert str(err.value).startswith("campaign 'bad': cannot render the email for user 2 "
+                                     "(template 'finish_assessment'; chunk not minted): UndefinedError")
+    assert [(r["user_id"], r["campaign"], r["status"]) for r in rig.rows()] == [(1, "good", "sent")]
+    assert rig.db.execute("select count(*) from mail.send_batch").fetchone()[0] == 1
