@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Protocol
 
@@ -93,8 +93,10 @@ def run_lifecycle(
         window = campaign.window(interval)
         cooldown_since = interval.end - campaign.cooldown
         summary.eligible = store.count_audience(campaign, window, cooldown_since)
-        if now is not None and not allow_old_interval and now - interval.end > campaign.max_interval_age:
-            summary.stopped = f"interval ended {now - interval.end} ago, over max_interval_age {campaign.max_interval_age}"
+        age = timedelta(seconds=(now - interval.end).total_seconds()) if now is not None else None
+        if age is not None and not allow_old_interval and age > campaign.max_interval_age:
+            # (a plain timedelta: Airflow's pendulum bounds would otherwise format as an Interval)
+            summary.stopped = f"interval ended {age} ago, over max_interval_age {campaign.max_interval_age}"
             log.info("%s: %d eligible, not sent: %s (allow_old_interval to send)", campaign.name, summary.eligible,
                      summary.stopped)
             continue

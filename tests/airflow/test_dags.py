@@ -41,7 +41,12 @@ def test_every_dag_has_tags_owner_retries_no_catchup_and_an_interval_timetable(d
     for dag_id, dag in dagbag.dags.items():
         assert dag.tags, f"{dag_id} has no tags"
         assert dag.catchup is False, dag_id
-        assert isinstance(dag.timetable, CronDataIntervalTimetable), dag_id
+        # scheduled DAGs use an interval timetable (a run's data interval is a real period);
+        # a manually triggered DAG (schedule=None) has none
+        if dag.timetable.can_be_scheduled:
+            assert isinstance(dag.timetable, CronDataIntervalTimetable), dag_id
+        else:
+            assert type(dag.timetable).__name__ == "NullTimetable", dag_id
         for task in dag.tasks:
             assert task.retries >= 1, f"{dag_id}.{task.task_id}"
             assert task.owner and task.owner != "airflow", f"{dag_id}.{task.task_id} has no owner"
@@ -66,13 +71,15 @@ def test_lifecycle_emails_shape(dagbag: Any) -> None:
 
 def test_lifecycle_emails_params_and_their_documented_defaults(dagbag: Any) -> None:
     params = dagbag.dags["lifecycle_emails"].params
-    assert params.dump() == {"time_budget_seconds": 240, "chunk_size": 100, "campaigns": [], "dry_run": False}
+    assert params.dump() == {"time_budget_seconds": 240, "chunk_size": 100, "campaigns": [], "dry_run": False,
+                             "allow_old_interval": False}
     chunk = params.get_param("chunk_size").schema
     assert (chunk["type"], chunk["minimum"], chunk["maximum"]) == ("integer", 1, 100)
     budget = params.get_param("time_budget_seconds").schema
     assert (budget["type"], budget["minimum"], budget["maximum"]) == ("integer", 10, 3000)
     assert params.get_param("campaigns").schema["items"] == {"type": "string"}
     assert params.get_param("dry_run").schema["type"] == "boolean"
+    assert params.get_param("allow_old_interval").schema["type"] == "boolean"
 
 
 def test_chunk_size_param_refuses_101(dagbag: Any) -> None:
@@ -86,78 +93,121 @@ def test_chunk_size_param_refuses_101(dagbag: Any) -> None:
 
 # -- dag.test() ------------------------------------------------------------------------------------
 
-LOGICAL = datetime(2026, 6, 1, 10, 0, tzinfo=UTC)  # an hour boundary
 H, D = timedelta(hours=1), timedelta(days=1)
 
 
-def populate(db: psycopg.Connection) -> dict[int, str]:
-    """A small population; returns user_id -> the campaign it must get for the run ending at LOGICAL."""
+def latest_complete_hour() -> datetime:
+    """An hour boundary no older than an hour: within every campaign's max_interval_age (6 h)."""
+    return datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
 
-    def user(uid: int, signed_up_at: datetime = LOGICAL - 90 * D, last_active_at: datetime | None = None,
+
+def populate(db: psycopg.Connection, end: datetime, base: int = 0) -> dict[int, str]:
+    """A small population (user ids ``base + 1..7``); returns user_id -> the campaign it must get
+    for the run whose data interval ends at ``end``."""
+
+    def user(uid: int, signed_up_at: datetime = end - 90 * D, last_active_at: datetime | None = None,
              plan: str = "free") -> None:
         db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan, last_active_at)"
                    " values (%s, %s, %s, %s, 'UTC', %s, %s)",
-                   (uid, f"dag{uid}@example.com", f"N{uid}", signed_up_at, plan, last_active_at))
+                   (base + uid, f"dag{base + uid}@example.com", f"N{uid}", signed_up_at, plan, last_active_at))
 
     def assessment(aid: int, uid: int, started: datetime, finished: datetime | None = None) -> None:
         db.execute("insert into app.assessments (assessment_id, user_id, kind, is_free, started_at, finished_at, score)"
                    " values (%s, %s, 'numerical', true, %s, %s, %s)",
-                   (aid, uid, started, finished, 60 if finished else None))
+                   (base + aid, base + uid, started, finished, 60 if finished else None))
 
-    user(1, signed_up_at=LOGICAL - 5 * H)  # first_practice
-    user(2, signed_up_at=LOGICAL - 30 * H)  # first_practice (2-day window)
-    user(3, last_active_at=LOGICAL - 10 * timedelta(minutes=1))  # finish_assessment (and practice_tips)
-    assessment(31, 3, LOGICAL - 30 * timedelta(minutes=1))
+    user(1, signed_up_at=end - 5 * H)  # first_practice
+    user(2, signed_up_at=end - 30 * H)  # first_practice (2-day window)
+    user(3, last_active_at=end - 10 * timedelta(minutes=1))  # finish_assessment (and practice_tips)
+    assessment(31, 3, end - 30 * timedelta(minutes=1))
     user(4)  # upgrade_offer (and practice_tips through the assessment)
-    assessment(41, 4, LOGICAL - 2 * D - H, LOGICAL - 2 * D)
-    user(5, plan="pro", last_active_at=LOGICAL - 3 * D)  # practice_tips
-    user(6, last_active_at=LOGICAL - 30 * D)  # nobody
-    user(7, signed_up_at=LOGICAL)  # signed up at the interval end (half-open): nobody
-    return {1: "first_practice", 2: "first_practice", 3: "finish_assessment", 4: "upgrade_offer",
-            5: "practice_tips"}
+    assessment(41, 4, end - 2 * D - H, end - 2 * D)
+    user(5, plan="pro", last_active_at=end - 3 * D)  # practice_tips
+    user(6, last_active_at=end - 20 * D)  # nobody
+    user(7, signed_up_at=end)  # signed up at the interval end (half-open): nobody
+    return {base + 1: "first_practice", base + 2: "first_practice", base + 3: "finish_assessment",
+            base + 4: "upgrade_offer", base + 5: "practice_tips"}
 
 
-@pytest.mark.airflow
-def test_dag_test_sends_one_run_for_the_interval_ending_at_the_logical_date(
-    airflow_db: Path, db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess,
-    dagbag: Any, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def airflow_conns(airflow_db: Path, db_dsn: str, emulator: EmulatorProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
     monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
         "conn_type": "resend", "host": emulator.base_url, "password": emulator.api_key,
         "extra": {"requests_per_second": 50}}))
     monkeypatch.setenv("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", json.dumps({"conn_type": "generic",
                                                                     "password": UNSUBSCRIBE_SECRET}))
-    expected = populate(db)
-    dag = dagbag.dags["lifecycle_emails"]
 
-    dr = dag.test(logical_date=LOGICAL)
 
+def send_log(db: psycopg.Connection) -> list[tuple[Any, ...]]:
+    return db.execute("select user_id, campaign, status, data_interval_start, data_interval_end, dag_id, run_id,"
+                      " task_id, provider_message_id from mail.send_log order by id").fetchall()
+
+
+def summary_of(dr: Any) -> list[dict[str, Any]]:
+    ti = dr.get_task_instance("send_campaigns")
+    assert ti.state == "success"
+    return ti.xcom_pull(task_ids="send_campaigns")
+
+
+def assert_sent_run(dr: Any, end: datetime, rows: list[tuple[Any, ...]], expected: dict[int, str],
+                    outbox: list[dict[str, Any]]) -> None:
     assert dr.state == "success"
     # an interval timetable: the run's data interval is the hour that ends at the logical date
-    assert (dr.logical_date, dr.data_interval_start, dr.data_interval_end) == (LOGICAL, LOGICAL - H, LOGICAL)
-    rows = db.execute("select user_id, campaign, status, data_interval_start, data_interval_end, dag_id, run_id,"
-                      " task_id, provider_message_id from mail.send_log order by id").fetchall()
+    assert (dr.logical_date, dr.data_interval_start, dr.data_interval_end) == (end, end - H, end)
     assert {r[0]: r[1] for r in rows} == expected
     assert len(rows) == len(expected)
     for r in rows:
         assert r[2] == "sent"
-        assert (r[3], r[4]) == (LOGICAL - H, LOGICAL)
+        assert (r[3], r[4]) == (end - H, end)
         assert (r[5], r[6], r[7]) == ("lifecycle_emails", dr.run_id, "send_campaigns")
     # sent per campaign in the send log == delivered per campaign in the outbox
-    outbox = emulator.read_outbox()
     sent = Counter(r[1] for r in rows if r[2] == "sent")
     delivered = Counter(e["tags"][0]["value"] for e in outbox)
     assert sent == delivered == Counter(expected.values())
     assert {e["id"] for e in outbox} == {r[8] for r in rows}
     # the task's return value (XCom) is the per-campaign summary, in priority order
-    ti = dr.get_task_instance("send_campaigns")
-    assert ti.state == "success"
-    summary = ti.xcom_pull(task_ids="send_campaigns")
+    summary = summary_of(dr)
     names = [c.name for c in load_campaigns()]
     assert [s["campaign"] for s in summary] == names
-    assert {s["campaign"]: s["sent"] for s in summary} == {n: sent[n] for n in names}
     for s in summary:
-        assert s == {"campaign": s["campaign"], "eligible": sent[s["campaign"]], "minted": sent[s["campaign"]],
-                     "sent": sent[s["campaign"]], "failed": 0, "released": 0, "unknown": 0, "skipped": 0,
-                     "chunks": 1, "stopped": None}
+        n = sent[s["campaign"]]
+        assert s == {"campaign": s["campaign"], "eligible": n, "minted": n, "sent": n, "failed": 0, "released": 0,
+                     "unknown": 0, "skipped": 0, "chunks": 1, "stopped": None}
+
+
+@pytest.mark.airflow
+@pytest.mark.usefixtures("airflow_conns")
+def test_dag_test_sends_one_run_for_the_interval_ending_at_the_logical_date(
+    db: psycopg.Connection, emulator: EmulatorProcess, dagbag: Any,
+) -> None:
+    end = latest_complete_hour()
+    expected = populate(db, end)
+    dr = dagbag.dags["lifecycle_emails"].test(logical_date=end)
+    assert_sent_run(dr, end, send_log(db), expected, emulator.read_outbox())
+
+
+@pytest.mark.airflow
+@pytest.mark.usefixtures("airflow_conns")
+def test_dag_test_of_an_old_interval_sends_only_with_allow_old_interval(
+    db: psycopg.Connection, emulator: EmulatorProcess, dagbag: Any,
+) -> None:
+    dag = dagbag.dags["lifecycle_emails"]
+    old = latest_complete_hour() - 60 * D  # far past every campaign's max_interval_age (6 h)
+    expected_old = populate(db, old)
+    dr = dag.test(logical_date=old)
+    assert dr.state == "success"
+    assert send_log(db) == [] and emulator.read_outbox() == []
+    summary = summary_of(dr)
+    assert [(s["campaign"], s["eligible"], s["minted"], s["skipped"]) for s in summary] == [
+        ("finish_assessment", 1, 0, 1), ("first_practice", 2, 0, 2), ("upgrade_offer", 1, 0, 1),
+        ("practice_tips", 3, 0, 3)]
+    for s in summary:
+        assert s["stopped"].startswith("interval ended ")
+        assert s["stopped"].endswith(" ago, over max_interval_age 6:00:00")
+    # the same kind of backfill, another old hour (its own population), with the Param set: it sends
+    older = old - 30 * D  # so the first population is outside every window of this one
+    expected = populate(db, older, base=100)
+    assert not set(expected) & set(expected_old)
+    dr2 = dag.test(logical_date=older, run_conf={"allow_old_interval": True})
+    assert_sent_run(dr2, older, send_log(db), expected, emulator.read_outbox())

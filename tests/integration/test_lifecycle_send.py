@@ -261,6 +261,20 @@ def test_suppression_by_user_and_by_email_with_scope(rig: Rig) -> None:
     assert sorted(sent_to(rig)) == [f"user{u}@example.com" for u in (3, 4, 5, 6)]
 
 
+def test_max_attempts_released_rows_exclude_the_user_from_that_campaign_only(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAILFLOW_MAX_ATTEMPTS", "3")
+    for uid in (1, 2, 3):
+        add_user(rig.db, uid)
+    for _ in range(3):
+        plant_row(rig.db, 1, "a", "failed", released=True)  # 3 whole-request failures: a dead letter
+    for _ in range(2):
+        plant_row(rig.db, 2, "a", "failed", released=True)  # 2: still eligible
+    summaries = rig.run([simple_campaign("a", 1), simple_campaign("b", 2, "user_id = 1")])
+    assert {(r["user_id"], r["campaign"]) for r in rig.rows("released_at is null")} == {(2, "a"), (3, "a"), (1, "b")}
+    assert [(s.campaign, s.eligible, s.sent) for s in summaries] == [("a", 2, 2), ("b", 1, 1)]
+
+
 # -- claiming ------------------------------------------------------------------------------------
 
 def test_a_pre_existing_row_leaves_exactly_two_of_three_users_claimed(rig: Rig) -> None:

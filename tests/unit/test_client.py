@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from mailflow.clock import FakeClock
-from mailflow.model import Accepted, NotSent, PreparedBatch, Unknown
+from mailflow.model import Accepted, NotSent, PreparedBatch, Refused, Unknown
 from mailflow.provider.client import ResendClient, RetryPolicy, parse_retry_after
 from mailflow.provider.pacing import LocalPacer
 
@@ -308,6 +308,30 @@ def test_other_4xx_is_not_sent_without_retry() -> None:
     assert out == NotSent(reason="request refused: HTTP 422 validation_error: "
                                  "The batch must contain between 1 and 100 emails, got 0.")
     assert len(rig.requests) == 1
+
+
+STRICT_MSG = "emails[1]: Invalid `to` field. The email address needs to follow the `email@example.com` format."
+
+
+def test_a_strict_mode_422_naming_an_email_is_refused_for_that_index_only() -> None:
+    rig = Rig(err(422, "validation_error", STRICT_MSG))
+    out = rig.send()
+    assert out == Refused(rejected={1: STRICT_MSG}, reason=f"HTTP 422 validation_error: {STRICT_MSG}")
+    assert len(rig.requests) == 1 and rig.clock.sleeps == [0.0]
+
+
+def test_a_422_naming_an_index_outside_the_batch_is_not_sent() -> None:
+    message = "emails[3]: Invalid `to` field."
+    rig = Rig(err(422, "validation_error", message))
+    assert rig.send() == NotSent(reason=f"request refused: HTTP 422 validation_error: {message}")
+
+
+def test_a_422_naming_an_email_after_an_ambiguous_attempt_is_unknown() -> None:
+    rig = Rig(httpx.ReadTimeout("timed out"), err(422, "validation_error", STRICT_MSG))
+    out = rig.send()
+    assert out == Unknown(reason=f"request refused: HTTP 422 validation_error: {STRICT_MSG}; "
+                                 "an earlier attempt may have been accepted")
+    assert len(rig.requests) == 2
 
 
 def test_2xx_with_a_non_json_body_is_unknown() -> None:

@@ -7,6 +7,7 @@ and answers from a script. Time is a FakeClock.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -25,6 +26,7 @@ from mailflow.model import (
     NotSent,
     Outcome,
     PreparedBatch,
+    Refused,
     RunContext,
     SendError,
     Unknown,
@@ -54,6 +56,7 @@ class FakeStore:
         self.counts: list[tuple[str, tuple[datetime, datetime], datetime]] = []
         self.mints: list[dict[str, Any]] = []
         self.applied: list[tuple[PreparedBatch, Outcome]] = []
+        self.rebatched: list[PreparedBatch] = []
 
     def _eligible(self, campaign: str, user_id: int) -> bool:
         for r in self.rows.values():
@@ -87,7 +90,10 @@ class FakeStore:
             self.rows[rid] = {"user_id": u, "campaign": campaign.name, "status": "sending", "released": False,
                               "pid": None, "error": None}
             rows.append(MintedRow(id=rid, user_id=u, email=f"user{u}@example.com"))
-        return MintResult(page_size=len(page), cursor=max(page), batch=prepare(rows))
+        return MintResult(page_size=len(page), cursor=max(page), batch=prepare(rows), rows=tuple(rows))
+
+    def rebatch(self, batch: PreparedBatch) -> None:
+        self.rebatched.append(batch)
 
     def apply(self, batch: PreparedBatch, outcome: Outcome, run: RunContext) -> Applied:
         self.applied.append((batch, outcome))
@@ -98,6 +104,10 @@ class FakeStore:
             for i, msg in outcome.rejected.items():
                 self.rows[ids[i]].update(status="failed", error=msg)
             return Applied(sent=len(outcome.ids), failed=len(outcome.rejected))
+        if isinstance(outcome, Refused):
+            for i, msg in outcome.rejected.items():
+                self.rows[ids[i]].update(status="failed", error=msg)
+            return Applied(failed=len(outcome.rejected))
         if isinstance(outcome, NotSent):
             for rid in ids:
                 self.rows[rid].update(status="failed", released=True, error=outcome.reason)
@@ -394,3 +404,74 @@ def test_an_empty_audience_sends_nothing() -> None:
     assert provider.batches == []
     assert s.as_dict() == {"campaign": "a", "eligible": 0, "minted": 0, "sent": 0, "failed": 0, "released": 0,
                            "unknown": 0, "skipped": 0, "chunks": 0, "stopped": None}
+
+
+# -- strict-mode refusal -------------------------------------------------------------------------
+
+def test_a_strict_refusal_fails_the_named_email_and_resends_the_rest_as_a_new_batch() -> None:
+    clock = FakeClock()
+    store = FakeStore({"a": range(1, 6)})
+    refuse_index_2 = lambda b: Refused(rejected={2: "emails[2]: Invalid `to` field."},  # noqa: E731
+                                       reason="HTTP 422 validation_error: emails[2]: Invalid `to` field.")
+    provider = FakeProvider(clock, script=[refuse_index_2, accept_all])
+    [s] = run(store, provider, [campaign("a", 1)], clock)
+    first, second = provider.batches
+    assert first.row_ids == (1, 2, 3, 4, 5)
+    assert second.row_ids == (1, 2, 4, 5)  # the refused row is out, the order kept
+    assert second.idempotency_key == idempotency_key("a", (1, 2, 4, 5)) != first.idempotency_key
+    assert store.rebatched == [second]
+    assert s.as_dict() == {"campaign": "a", "eligible": 5, "minted": 5, "sent": 4, "failed": 1, "released": 0,
+                           "unknown": 0, "skipped": 0, "chunks": 1, "stopped": None}
+    assert {r["user_id"]: (r["status"], r["pid"], r["error"]) for r in store.rows.values()} == {
+        1: ("sent", "p-1", None), 2: ("sent", "p-2", None), 3: ("failed", None, "emails[2]: Invalid `to` field."),
+        4: ("sent", "p-4", None), 5: ("sent", "p-5", None)}
+
+
+def test_refusals_until_every_email_failed_stop_resending_and_raise() -> None:
+    clock = FakeClock()
+    store = FakeStore({"a": [1, 2]})
+    refuse_first = lambda b: Refused(rejected={0: "emails[0]: bad"}, reason="HTTP 422")  # noqa: E731
+    provider = FakeProvider(clock, script=refuse_first)
+    with pytest.raises(SendError, match=r"^a: every one of 2 emails was rejected by the provider$") as err:
+        run(store, provider, [campaign("a", 1)], clock)
+    assert [b.row_ids for b in provider.batches] == [(1, 2), (2,)]
+    assert [b.row_ids for b in store.rebatched] == [(2,)]
+    assert [(x.minted, x.failed, x.chunks) for x in err.value.summaries] == [(2, 2, 1)]
+
+
+# -- backfill gate (max_interval_age) ------------------------------------------------------------
+
+def test_an_interval_older_than_max_interval_age_sends_nothing() -> None:
+    clock = FakeClock()
+    store = FakeStore({"a": [1, 2], "b": [3]})
+    provider = FakeProvider(clock)
+    young = dataclasses.replace(campaign("b", 2), max_interval_age=timedelta(days=3))
+    sa, sb = run(store, provider, [campaign("a", 1), young], clock, now=END + timedelta(days=2))
+    assert sa.as_dict() == {"campaign": "a", "eligible": 2, "minted": 0, "sent": 0, "failed": 0, "released": 0,
+                            "unknown": 0, "skipped": 2, "chunks": 0,
+                            "stopped": "interval ended 2 days, 0:00:00 ago, over max_interval_age 6:00:00"}
+    # the gate is per campaign: b accepts intervals up to 3 days old
+    assert (sb.minted, sb.sent, sb.stopped) == (1, 1, None)
+    assert provider.campaigns() == ["b"]
+
+
+def test_the_gate_boundary_and_its_overrides() -> None:
+    for kw, sent in [({"now": END + timedelta(hours=6)}, 1),  # exactly max_interval_age: still sends
+                     ({"now": END + timedelta(hours=6, seconds=1)}, 0),
+                     ({"now": END + timedelta(days=30), "allow_old_interval": True}, 1),
+                     ({}, 1)]:  # no wall clock given: no gate
+        clock = FakeClock()
+        store = FakeStore({"a": [1]})
+        [s] = run(store, FakeProvider(clock), [campaign("a", 1)], clock, **kw)
+        assert s.sent == sent, kw
+
+
+def test_the_gate_message_is_a_duration_with_airflow_context_datetimes() -> None:
+    import pendulum
+
+    clock = FakeClock()
+    store = FakeStore({"a": [1]})
+    interval = DataInterval(pendulum.datetime(2026, 3, 10, 11, tz="UTC"), pendulum.datetime(2026, 3, 10, 12, tz="UTC"))
+    [s] = run_lifecycle(store, FakeProvider(clock), FakeRenderer(), [campaign("a", 1)], interval, run=RUN,
+                        clock=clock, now=datetime(2026, 3, 12, 12, 0, tzinfo=UTC))  # psycopg's select now()
+    assert s.stopped == "interval ended 2 days, 0:00:00 ago, over max_interval_age 6:00:00"

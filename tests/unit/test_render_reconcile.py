@@ -126,6 +126,18 @@ def test_missing_first_name_falls_back_and_missing_column_is_an_error(campaigns:
                                           context={"first_name": "A", "assessment_kind": "verbal"}))
 
 
+def test_a_row_that_cannot_render_fails_the_batch_naming_campaign_template_and_user(
+        campaigns: dict[str, Campaign]) -> None:
+    from mailflow.render import RenderError
+
+    rows = fa_rows(2)
+    broken = MintedRow(id=200, user_id=7777, email="x@example.com", context={"first_name": "A"})
+    with pytest.raises(RenderError, match=r"^campaign 'finish_assessment': cannot render the email for user 7777 "
+                                          r"\(template 'finish_assessment'; chunk not minted\): UndefinedError: .*"
+                                          r"assessment_(id|kind)"):
+        renderer().prepare_batch(campaigns["finish_assessment"], [*rows, broken])
+
+
 # -- reconcile by index --------------------------------------------------------------------------
 
 def data(*ids: str) -> list[dict[str, str]]:
