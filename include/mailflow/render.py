@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from collections.abc import Sequence
+from datetime import date
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import jinja2
 
@@ -23,6 +27,10 @@ from mailflow.unsubscribe import UnsubscribeSigner
 
 class RenderError(ValueError):
     """A row could not be rendered; the message names the campaign, the row and the reason."""
+
+
+MAILTO_ENV = "MAILFLOW_UNSUBSCRIBE_MAILTO"
+_MAILTO = re.compile(r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?$")
 
 
 def _autoescape(name: str | None) -> bool:
@@ -55,14 +63,29 @@ class Renderer:
     :param public_url: base URL of the unsubscribe endpoint (``MAILFLOW_PUBLIC_URL``), e.g.
         ``https://mail.example.com``; links are ``<public_url>/u/<token>``.
     :param app_url: base URL of the product, for calls to action in templates.
+    :param mailto: an address that also accepts unsubscribes by email (RFC 2369): added to
+        ``List-Unsubscribe`` after the HTTPS link as ``<mailto:ADDR?subject=unsubscribe%20TOKEN>``.
+        ``None`` reads ``MAILFLOW_UNSUBSCRIBE_MAILTO`` once, here (unset or empty: no mailto); ``""``
+        turns it off. Someone must process that mailbox (see docs/unsubscribe.md).
+    :param issued_on: the UTC issue date put into every token (v2 tokens, which expire when the
+        verifier sets a maximum age); ``None`` (default): v1 tokens without a date. A fixed input,
+        never the clock, so rendering stays deterministic.
+    :raises ValueError: if the mailto address is not a plain ``local@domain`` address.
     """
 
-    def __init__(self, signer: UnsubscribeSigner, public_url: str, app_url: str, env: jinja2.Environment | None = None):
+    def __init__(self, signer: UnsubscribeSigner, public_url: str, app_url: str, env: jinja2.Environment | None = None,
+                 *, mailto: str | None = None, issued_on: date | None = None):
         self.signer = signer
         self.public_url = public_url.rstrip("/")
         self.app_url = app_url.rstrip("/")
         self.env = env or template_env()
         self._subjects: dict[str, jinja2.Template] = {}
+        address = (os.environ.get(MAILTO_ENV, "") if mailto is None else mailto).strip()
+        address = address[len("mailto:"):] if address.lower().startswith("mailto:") else address
+        if address and not _MAILTO.match(address):
+            raise ValueError(f"unsubscribe mailto {address!r} ({MAILTO_ENV}) must be a plain local@domain address")
+        self.mailto = address or None
+        self.issued_on = issued_on
 
     def render_email(self, campaign: Campaign, row: MintedRow) -> dict[str, Any]:
         """Return one Resend email object for ``row`` (keys: from, to, subject, html, text, headers,
@@ -70,7 +93,8 @@ class Renderer:
 
         :raises jinja2.UndefinedError: naming the variable when a template needs a missing column.
         """
-        unsubscribe_url = f"{self.public_url}/u/{self.signer.token(row.user_id, campaign.name)}"
+        token = self.signer.token(row.user_id, campaign.name, issued=self.issued_on)
+        unsubscribe_url = f"{self.public_url}/u/{token}"
         ctx = {
             "user": {"user_id": row.user_id, "email": row.email, **row.context},
             "campaign": campaign.name,
@@ -84,8 +108,11 @@ class Renderer:
             ).from_string(campaign.subject)
         headers = {"X-Mailflow-Send-Id": str(row.id), "X-Mailflow-Campaign": campaign.name}
         if campaign.marketing:
-            # RFC 8058 one-click: an HTTPS URI that identifies the recipient by itself.
+            # RFC 8058 one-click: an HTTPS URI that identifies the recipient by itself (first), then
+            # an optional mailto (RFC 2369) for clients that only send email.
             headers["List-Unsubscribe"] = f"<{unsubscribe_url}>"
+            if self.mailto:
+                headers["List-Unsubscribe"] += f", <mailto:{self.mailto}?subject={quote('unsubscribe ' + token)}>"
             headers["List-Unsubscribe-Post"] = "List-Unsubscribe=One-Click"
         email: dict[str, Any] = {
             "from": campaign.from_address,

@@ -1,0 +1,481 @@
+"""The one-click unsubscribe endpoint: a small ASGI (Starlette) app the product team deploys behind
+their domain (``MAILFLOW_PUBLIC_URL``), standalone or mounted in the Airflow API server.
+
+Every marketing email links to ``<public_url>/u/<token>`` (footer and ``List-Unsubscribe``); the
+token (:mod:`mailflow.unsubscribe`) names the user and the list. Behaviour (RFC 8058, and the
+Gmail/Yahoo bulk-sender rules):
+
+* ``POST /u/<token>`` with the body ``List-Unsubscribe=One-Click`` (form-urlencoded or
+  multipart, as mail providers send it; no cookies needed): the user is suppressed for the token's
+  list (a campaign name, or ``all`` marketing) with source ``one_click`` and the answer is **200**
+  with a short page, never a redirect. Repeating it changes nothing and answers 200 again
+  (``ON CONFLICT DO NOTHING``).
+* ``GET /u/<token>`` (a person clicked the link, or a link scanner fetched it): a confirmation
+  page with a button; **nothing changes** and the database is not touched. ``HEAD`` likewise.
+  The button POSTs ``confirm=yes`` (source ``confirm_page``); the person may widen the scope to
+  all marketing email.
+* A tampered, truncated, foreign or expired token: a friendly page with **400** (never a 500).
+  A POST whose body has neither field: 400 with the confirmation form, nothing changed.
+* The database or the signing secret unavailable: a friendly page with **503** and
+  ``Retry-After`` (the mail provider retries a one-click POST), never a 500 with a traceback.
+
+Suppressions land in ``mail.suppression`` (user_id, scope, source, created_at); the next audience
+selection (``sql/queries/lifecycle.sql``) and the scheduled dispatcher (which cancels a due row of
+a suppressed user) honour them. Pages are plain HTML built from escaped strings, with
+``Cache-Control: no-store``, ``X-Robots-Tag: noindex``, ``Referrer-Policy: no-referrer`` and a CSP
+that forbids framing (a hidden confirm button cannot be clickjacked). Tokens are never logged.
+
+Run it: ``python -m mailflow.unsubscribe_app --port 8090 --dsn postgresql://...`` (secret from
+``MAILFLOW_UNSUBSCRIBE_SECRET`` or ``AIRFLOW_CONN_MAIL_UNSUBSCRIBE``); in Airflow, the plugin
+``plugins/mailflow_unsubscribe.py`` mounts :func:`create_airflow_app` at ``/mailflow-unsubscribe``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from mailflow import settings
+from mailflow.sql import query
+from mailflow.unsubscribe import (
+    ALL_MARKETING,
+    ExpiredToken,
+    InvalidToken,
+    UnsubscribeSigner,
+    signer_from_connection,
+)
+
+log = logging.getLogger(__name__)
+
+SignerSource = UnsubscribeSigner | Callable[[], UnsubscribeSigner]
+"""A signer, or a factory called on first use (and again after a failure) for lazy secrets."""
+Connect = Callable[[], psycopg.Connection]
+"""Returns a new psycopg 3 connection to the send-log database (closed after each request)."""
+
+SECRET_ENV = "MAILFLOW_UNSUBSCRIBE_SECRET"
+DSN_ENV = "MAILFLOW_UNSUBSCRIBE_DSN"
+MAX_BODY_BYTES = 16 * 1024  # a one-click body is 26 bytes; anything this large is not a mail client
+RETRY_AFTER_SECONDS = 120
+_SECURITY_HEADERS = {
+    "Cache-Control": "no-store",
+    "X-Robots-Tag": "noindex, nofollow",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": ("default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
+                                "frame-ancestors 'none'; base-uri 'none'"),
+}
+
+
+class Unavailable(RuntimeError):
+    """The endpoint cannot serve yet: no signing secret or no database configured (the message
+    names what to set and never contains a secret)."""
+
+
+def record_unsubscribe(conn: psycopg.Connection, user_id: int, scope: str, source: str,
+                       reason: str | None = None) -> bool:
+    """Suppress ``user_id`` for ``scope`` (a campaign name or ``all``) in ``mail.suppression``.
+
+    Idempotent (``ON CONFLICT DO NOTHING``): returns True if the suppression is new, False if it
+    existed. Runs in the caller's connection and commits on its own transaction block.
+
+    :param source: ``one_click``, ``confirm_page`` or e.g. ``mailto`` (a processed unsubscribe email).
+    :raises psycopg.Error: on any database failure.
+    """
+    with conn.transaction():
+        row = conn.execute(query("suppression", "suppress_user"),
+                           {"user_id": int(user_id), "scope": scope, "source": source, "reason": reason}).fetchone()
+    return row is not None
+
+
+class _Lazy:
+    """Resolve a signer once (thread-safe); a failed resolution is retried on the next request."""
+
+    def __init__(self, source: SignerSource):
+        self._source = source
+        self._value = source if isinstance(source, UnsubscribeSigner) else None
+        self._lock = threading.Lock()
+
+    def peek(self) -> UnsubscribeSigner | None:
+        """The signer if already resolved (no I/O), else None."""
+        return self._value
+
+    def get(self) -> UnsubscribeSigner:
+        if self._value is not None:
+            return self._value
+        with self._lock:
+            if self._value is None:
+                assert not isinstance(self._source, UnsubscribeSigner)
+                try:
+                    self._value = self._source()
+                except Unavailable:
+                    raise
+                except Exception as exc:  # never let the cause's text (could hold a secret) out
+                    raise Unavailable(f"the unsubscribe signing secret could not be loaded "
+                                      f"({type(exc).__name__})") from None
+            return self._value
+
+
+# -- pages -----------------------------------------------------------------------------------------
+
+
+def _scope_label(scope: str) -> str:
+    if scope == ALL_MARKETING:
+        return "all marketing emails from us"
+    return f"the \u201c{scope.replace('_', ' ')}\u201d emails"
+
+
+def _page(title: str, body_html: str, status: int, *, brand: str, head_only: bool = False,
+          headers: Mapping[str, str] | None = None) -> Response:
+    doc = (
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        "<meta name=\"robots\" content=\"noindex, nofollow\">"
+        f"<title>{html.escape(title)} \u2013 {html.escape(brand)}</title>"
+        "<style>body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:34rem;"
+        "margin:3rem auto;padding:0 1rem;color:#1f2933;line-height:1.5}"
+        "button{font-size:1rem;padding:.6rem 1.2rem;border-radius:.4rem;border:0;background:#1f2933;"
+        "color:#fff;cursor:pointer}label{display:block;margin:.4rem 0}.muted{color:#616e7c}</style>"
+        f"</head><body><h1>{html.escape(title)}</h1>{body_html}"
+        f"<p class=\"muted\">{html.escape(brand)}</p></body></html>\n"
+    )
+    all_headers = {**_SECURITY_HEADERS, **(headers or {})}
+    if head_only:
+        return Response(b"", status_code=status, headers=all_headers, media_type="text/html; charset=utf-8")
+    return HTMLResponse(doc, status_code=status, headers=all_headers)
+
+
+def _confirm_form(scope: str) -> str:
+    # no action attribute: the form posts to the page's own URL, whatever prefix it is mounted under
+    widen = "" if scope == ALL_MARKETING else (
+        "<label><input type=\"checkbox\" name=\"scope\" value=\"all\"> "
+        "Also stop all other marketing emails</label>")
+    return ("<form method=\"post\"><input type=\"hidden\" name=\"confirm\" value=\"yes\">"
+            f"{widen}<p><button type=\"submit\">Unsubscribe</button></p></form>")
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+def _form_fields(body: bytes) -> list[tuple[str, str]]:
+    """Fields of a urlencoded body (also when the content type is missing or wrong: some clients
+    send ``text/plain``). Multipart is handled by the caller."""
+    return parse_qsl(body.decode("utf-8", errors="replace"), keep_blank_values=True)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None if it is larger than ``limit`` bytes (read no further)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _multipart_fields(request: Request, body: bytes) -> list[tuple[str, str]]:
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    form = await Request(request.scope, replay).form(max_files=0, max_fields=32)
+    return [(k, v) for k, v in form.multi_items() if isinstance(v, str)]
+
+
+def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude Practice",
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """Build the unsubscribe ASGI app (routes ``/u/{token}`` GET/HEAD/POST and ``/healthz``).
+
+    :param signer: verifies tokens; a factory is resolved on first use, so a missing secret makes
+        the endpoint answer 503 instead of failing at start-up.
+    :param connect: new psycopg 3 connection per unsubscribe (called in a worker thread; the
+        blocking database work never runs on the event loop).
+    :param brand: the sender's name shown on the pages.
+    :param max_body_bytes: a larger POST body is refused with 413 (nothing changed).
+    """
+    lazy = _Lazy(signer)
+
+    def page(title: str, body: str, status: int, request: Request, **kw: Any) -> Response:
+        return _page(title, body, status, brand=brand, head_only=request.method == "HEAD", **kw)
+
+    def unavailable(request: Request) -> Response:
+        return page("Please try again in a few minutes",
+                    "<p>We could not process your request just now. Nothing went wrong on your side; "
+                    "please try the link again in a few minutes.</p>", 503, request,
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def bad_token(request: Request, expired: bool) -> Response:
+        if expired:
+            text = ("<p>This unsubscribe link has expired. Please use the link in a more recent email "
+                    "from us, or reply to any of our emails and we will unsubscribe you.</p>")
+        else:
+            text = ("<p>This unsubscribe link is not valid. It may have been cut short or changed by "
+                    "your email program. Please open the link in the email again (copy the whole "
+                    "link), or reply to the email and we will unsubscribe you.</p>")
+        return page("This link does not work", text, 400, request)
+
+    def suppress(user_id: int, scope: str, source: str) -> bool:
+        reason = "RFC 8058 one-click POST" if source == "one_click" else "confirmed on the unsubscribe page"
+        with connect() as conn:
+            return record_unsubscribe(conn, user_id, scope, source, reason)
+
+    async def unsubscribe(request: Request) -> Response:
+        try:
+            ready = lazy.peek()
+            current = ready if ready is not None else await run_in_threadpool(lazy.get)  # may do I/O
+        except Unavailable as exc:
+            log.error("unsubscribe endpoint unavailable: %s", exc)
+            return unavailable(request)
+        try:
+            user_id, scope = current.verify(request.path_params["token"].strip("/"))
+        except ExpiredToken:
+            return bad_token(request, expired=True)
+        except InvalidToken:
+            return bad_token(request, expired=False)
+        if request.method in ("GET", "HEAD"):
+            # a person or a link scanner: show the question, change nothing
+            return page("Unsubscribe?", f"<p>Do you want to stop receiving {html.escape(_scope_label(scope))}?</p>"
+                        + _confirm_form(scope), 200, request)
+        body = await _read_body(request, max_body_bytes)
+        if body is None:
+            return page("Request too large", "<p>Nothing was changed.</p>", 413, request)
+        content_type = request.headers.get("content-type", "")
+        try:
+            if content_type.lower().startswith("multipart/form-data"):
+                fields = await _multipart_fields(request, body)
+            else:
+                fields = _form_fields(body)
+        except (MultiPartException, HTTPException, ValueError):
+            fields = []
+        one_click = any(k.strip().lower() == "list-unsubscribe" and v.strip().lower() == "one-click"
+                        for k, v in fields)
+        confirmed = any(k == "confirm" for k, _ in fields)
+        if not one_click and not confirmed:
+            return page("Unsubscribe?", "<p>Nothing was changed yet. Do you want to stop receiving "
+                        f"{html.escape(_scope_label(scope))}?</p>" + _confirm_form(scope), 400, request)
+        source = "one_click" if one_click else "confirm_page"
+        if confirmed and not one_click and any(k == "scope" and v == ALL_MARKETING for k, v in fields):
+            scope = ALL_MARKETING  # the person widened it on the confirmation page
+        try:
+            new = await run_in_threadpool(suppress, user_id, scope, source)
+        except (psycopg.Error, OSError, Unavailable) as exc:
+            log.error("unsubscribe of user %s (%s) not recorded: %s", user_id, scope, type(exc).__name__)
+            return unavailable(request)
+        log.info("unsubscribe: user %s from %s via %s (%s)", user_id, scope, source, "new" if new else "repeat")
+        return page("You are unsubscribed",
+                    f"<p>You will no longer receive {html.escape(_scope_label(scope))}. "
+                    "It can take up to two days for emails already on their way to stop.</p>", 200, request)
+
+    async def healthz(request: Request) -> Response:
+        try:
+            await run_in_threadpool(lazy.get)
+        except Unavailable as exc:
+            return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        if status == 405:
+            return page("Not allowed", "<p>Please open the link from the email.</p>", 405, request,
+                        headers={"Allow": "GET, HEAD, POST"})
+        return page("Page not found", "<p>Please open the unsubscribe link from the email again.</p>",
+                    404 if status == 404 else status, request)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("unsubscribe endpoint error: %s", type(exc).__name__)  # no traceback with the token
+        return unavailable(request)
+
+    routes = [
+        Route("/u/{token:path}", unsubscribe, methods=["GET", "HEAD", "POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+# -- configuration: secrets and the database --------------------------------------------------------
+
+
+def _conn_env_name(conn_id: str) -> str:
+    return f"AIRFLOW_CONN_{conn_id.upper()}"
+
+
+def _parse_airflow_conn(value: str) -> tuple[str | None, dict[str, Any]]:
+    """``(password, extra)`` of an ``AIRFLOW_CONN_*`` value (JSON, or a URI with query extras)."""
+    value = value.strip()
+    if value.startswith("{"):
+        c = json.loads(value)
+        extra = c.get("extra") or {}
+        if isinstance(extra, str):
+            extra = json.loads(extra) if extra.strip() else {}
+        return c.get("password"), dict(extra)
+    parts = urlsplit(value)
+    query_extra: dict[str, Any] = dict(parse_qsl(parts.query))
+    if "__extra__" in query_extra:
+        query_extra = json.loads(query_extra["__extra__"])
+    return (unquote(parts.password) if parts.password else None), query_extra
+
+
+def signer_from_env(environ: Mapping[str, str] | None = None) -> UnsubscribeSigner:
+    """The signer from the environment: ``MAILFLOW_UNSUBSCRIBE_SECRET`` (with optional
+    ``MAILFLOW_UNSUBSCRIBE_KID``, ``MAILFLOW_UNSUBSCRIBE_OLD_KEYS`` = JSON ``{kid: secret}``,
+    ``MAILFLOW_UNSUBSCRIBE_MAX_AGE_DAYS``), else the ``AIRFLOW_CONN_MAIL_UNSUBSCRIBE`` connection
+    (JSON or URI; password = secret, extra ``kid``/``old_keys``/``max_age_days``).
+
+    :raises Unavailable: if neither is set or the value is unusable (never echoing a secret).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        if env.get(SECRET_ENV):
+            extra = {"kid": env.get("MAILFLOW_UNSUBSCRIBE_KID") or "k1",
+                     "old_keys": json.loads(env.get("MAILFLOW_UNSUBSCRIBE_OLD_KEYS") or "{}"),
+                     "max_age_days": env.get("MAILFLOW_UNSUBSCRIBE_MAX_AGE_DAYS")}
+            return signer_from_connection(env[SECRET_ENV], extra)
+        name = _conn_env_name(settings.UNSUBSCRIBE_CONN_ID)
+        if env.get(name):
+            return signer_from_connection(*_parse_airflow_conn(env[name]))
+    except (ValueError, TypeError) as exc:  # json errors are ValueErrors; messages hold no secret
+        msg = str(exc) if isinstance(exc, ValueError) and not isinstance(exc, json.JSONDecodeError) else "unparsable"
+        raise Unavailable(f"unsubscribe signing secret misconfigured: {msg}") from None
+    raise Unavailable(f"no unsubscribe signing secret: set {SECRET_ENV} or {_conn_env_name(settings.UNSUBSCRIBE_CONN_ID)}")
+
+
+def signer_from_airflow() -> UnsubscribeSigner:
+    """The signer from the environment, else the Airflow connection ``mail_unsubscribe`` (through
+    the configured secrets backends; in the API server also the metadata database).
+
+    :raises Unavailable: if there is no secret anywhere.
+    """
+    try:
+        return signer_from_env()
+    except Unavailable as env_error:
+        try:
+            from airflow.sdk import BaseHook
+
+            conn = BaseHook.get_connection(settings.UNSUBSCRIBE_CONN_ID)
+        except Exception:
+            raise Unavailable(f"{env_error}; and the Airflow connection {settings.UNSUBSCRIBE_CONN_ID!r} "
+                              f"is not defined") from None
+        try:
+            return signer_from_connection(conn.password, conn.extra_dejson or {})
+        except ValueError as exc:
+            raise Unavailable(f"connection {settings.UNSUBSCRIBE_CONN_ID!r}: {exc}") from None
+
+
+def connect_factory(dsn: str, *, connect_timeout: int = 5, statement_timeout_ms: int = 5000) -> Connect:
+    """A :data:`Connect` for ``dsn`` with short connect and statement timeouts (seconds, ms), so a
+    sick database gives a quick 503 instead of hanging mail providers."""
+    def connect() -> psycopg.Connection:
+        return psycopg.connect(dsn, connect_timeout=connect_timeout,
+                               options=f"-c statement_timeout={int(statement_timeout_ms)}")
+    return connect
+
+
+class _AirflowDsn:
+    """The send-log DSN, resolved on first use and cached: ``MAILFLOW_UNSUBSCRIBE_DSN``, else the
+    Airflow connection ``send_log_db`` (host, port, login, password, schema = database, extras
+    such as ``sslmode``)."""
+
+    def __init__(self) -> None:
+        self._dsn: str | None = None
+        self._lock = threading.Lock()
+
+    def dsn(self) -> str:
+        if self._dsn is None:
+            with self._lock:
+                if self._dsn is None:
+                    self._dsn = os.environ.get(DSN_ENV) or self._from_airflow()
+        return self._dsn
+
+    @staticmethod
+    def _from_airflow() -> str:
+        try:
+            from airflow.sdk import BaseHook
+
+            c = BaseHook.get_connection(settings.SEND_LOG_CONN_ID)
+        except Exception:
+            raise Unavailable(f"no send-log database: set {DSN_ENV} or the Airflow connection "
+                              f"{settings.SEND_LOG_CONN_ID!r}") from None
+        params: dict[str, Any] = {k: v for k, v in (c.extra_dejson or {}).items()
+                                  if k in ("sslmode", "sslrootcert", "sslcert", "sslkey", "target_session_attrs")}
+        parts = {"host": c.host, "port": c.port, "user": c.login, "password": c.password, "dbname": c.schema}
+        params.update({k: v for k, v in parts.items() if v})
+        return make_conninfo("", **params)
+
+    def connect(self) -> psycopg.Connection:
+        return connect_factory(self.dsn())()
+
+
+def create_airflow_app(brand: str = "Aptitude Practice") -> Any:
+    """The endpoint wrapped in a tiny FastAPI app for an Airflow 3 plugin's ``fastapi_apps``.
+
+    Nothing is resolved at import or start-up: the secret and the database are looked up on the
+    first request (environment first, then Airflow connections), so the API server starts even if
+    they are missing and the endpoint answers 503 until they exist. It is public: recipients are
+    not Airflow users, and the token is the only credential.
+    """
+    from fastapi import FastAPI
+
+    api = FastAPI(title="mailflow unsubscribe", openapi_url=None, docs_url=None, redoc_url=None)
+    api.mount("/", create_app(signer_from_airflow, _AirflowDsn().connect, brand=brand))
+    return api
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mailflow.unsubscribe_app [--host H] [--port 8090] [--dsn DSN]``: serve with uvicorn.
+
+    The DSN comes from ``--dsn``, ``MAILFLOW_UNSUBSCRIBE_DSN`` or ``MAILFLOW_DSN``; the secret from
+    the environment (:func:`signer_from_env`). Exits with 2 if either is missing. The access log is
+    off (paths carry tokens); the app logs user ids and lists only.
+    """
+    p = argparse.ArgumentParser(prog="python -m mailflow.unsubscribe_app", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8090)
+    p.add_argument("--dsn", default=os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN"),
+                   help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
+    p.add_argument("--brand", default="Aptitude Practice")
+    args = p.parse_args(argv)
+    if not args.dsn:
+        p.error(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
+    try:
+        signer = signer_from_env()
+    except Unavailable as exc:
+        p.error(str(exc))
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(signer, connect_factory(args.dsn), brand=args.brand)
+    log.info("unsubscribe endpoint on http://%s:%s/u/<token> (key ids %s)", args.host, args.port,
+             sorted(signer.keys))
+    uvicorn.run(app, host=args.host, port=args.port, access_log=False, proxy_headers=True, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

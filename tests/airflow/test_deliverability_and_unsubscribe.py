@@ -1,0 +1,117 @@
+"""Airflow tier of issue #8: the ``deliverability_feedback`` DAG (shape, and ``dag.test()`` against
+the emulator and a real send log) and the unsubscribe plugin inside the real Airflow API server
+(public, and a missing connection is a 503 page, not a broken server)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import ROOT, UNSUBSCRIBE_SECRET
+
+from mailflow import devenv
+from mailflow.campaigns import Campaign
+from mailflow.emulator.testing import EmulatorProcess
+from mailflow.engine import run_lifecycle
+from mailflow.model import DataInterval
+from mailflow.provider.client import ResendClient
+from mailflow.provider.pacing import PostgresPacer
+from mailflow.render import Renderer
+from mailflow.store import PostgresStore
+from mailflow.unsubscribe import signer_from_secret
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+
+@pytest.fixture(scope="module")
+def dagbag() -> Any:
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(ROOT / "dags" / "deliverability_feedback.py"))
+
+
+def test_deliverability_feedback_dag_shape(dagbag: Any) -> None:
+    from airflow.sdk import CronDataIntervalTimetable
+
+    from mailflow.assets import SEND_LOG
+
+    assert dagbag.import_errors == {}
+    dag = dagbag.dags["deliverability_feedback"]
+    assert set(dag.tags) == {"email", "deliverability", "mailflow"}
+    assert (dag.max_active_runs, dag.catchup) == (1, False)
+    assert isinstance(dag.timetable, CronDataIntervalTimetable)
+    assert (dag.timetable.expression, str(dag.timetable.timezone)) == ("10,40 * * * *", "UTC")
+    task = dag.get_task("poll_feedback")
+    assert (task.pool, task.owner, task.retries, task.retry_delay) == ("email_provider", "data-eng", 2,
+                                                                        timedelta(minutes=2))
+    assert task.execution_timeout == timedelta(minutes=25)
+    assert [o.name for o in task.outlets] == [SEND_LOG.name]
+    assert dag.params.dump() == {"lookback_hours": 48, "min_age_minutes": 5, "recheck_after_minutes": 120,
+                                 "max_checks_per_email": 4, "max_emails_per_run": 500, "time_budget_seconds": 600}
+
+
+@pytest.mark.airflow
+def test_dag_test_suppresses_the_bounced_and_the_complained_address(
+        airflow_db: Path, db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess, dagbag: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
+        "conn_type": "resend", "host": emulator.base_url, "password": emulator.api_key,
+        "extra": {"requests_per_second": 50}}))
+    for uid in (1, 2, 3):
+        db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
+                   " values (%s, %s, 'N', now() - interval '9 days', 'UTC', 'free')", (uid, f"dag{uid}@example.com"))
+    emulator.configure(bounce=["dag1@example.com"], complain=["dag3@example.com"])
+    end = datetime.now(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
+    campaign = Campaign(name="dag_feedback", priority=1, audience_sql="select user_id, email, first_name from app.users",
+                        template="first_practice", subject="Hi", from_address="P <p@mail.example.com>", reply_to=None,
+                        cooldown=timedelta(0), audience_window=timedelta(hours=1))
+    pacer = PostgresPacer(lambda: psycopg.connect(db_dsn), account=emulator.base_url, requests_per_second=50)
+    with psycopg.connect(db_dsn) as conn, ResendClient(emulator.base_url, emulator.api_key, pacer=pacer) as client:
+        run_lifecycle(PostgresStore(conn), client, Renderer(signer_from_secret(UNSUBSCRIBE_SECRET),
+                      "https://mail.example.com", "https://app.example.com", mailto=""), [campaign],
+                      DataInterval(end - timedelta(hours=1), end))
+    pacer.close()
+
+    dr = dagbag.dags["deliverability_feedback"].test(run_conf={"min_age_minutes": 0})
+
+    assert dr.state == "success"
+    summary = dr.get_task_instance("poll_feedback").xcom_pull(task_ids="poll_feedback")
+    assert {k: summary[k] for k in ("due", "checked", "bounced", "complained", "suppressed", "errors")} == {
+        "due": 3, "checked": 3, "bounced": 1, "complained": 1, "suppressed": 2, "errors": 0}
+    assert db.execute("select email, scope, source from mail.suppression order by email").fetchall() == [
+        ("dag1@example.com", "all", "bounce"), ("dag3@example.com", "all", "complaint")]
+
+
+@pytest.mark.airflow
+def test_the_plugin_is_public_in_the_api_server_and_a_missing_secret_is_a_503(
+        airflow_db: Path, db: psycopg.Connection, db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MAILFLOW_UNSUBSCRIBE_SECRET", "AIRFLOW_CONN_MAIL_UNSUBSCRIBE", "MAILFLOW_UNSUBSCRIBE_DSN",
+                 "AIRFLOW_CONN_SEND_LOG_DB"):
+        monkeypatch.delenv(name, raising=False)
+    from airflow.api_fastapi.app import create_app
+
+    token = signer_from_secret(UNSUBSCRIBE_SECRET).token(42, "all")
+    path = f"/mailflow-unsubscribe/u/{token}"
+    app = create_app(apps="core")  # starts although neither the secret nor the database is configured
+    with TestClient(app, raise_server_exceptions=False, follow_redirects=False) as c:
+        r = c.post(path, content=b"List-Unsubscribe=One-Click",
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 503 and "try the link again" in r.text
+        assert c.get("/api/v2/dags").status_code == 401  # Airflow's own API still needs a login
+
+        monkeypatch.setenv("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", json.dumps({"conn_type": "generic",
+                                                                        "password": UNSUBSCRIBE_SECRET}))
+        monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
+        assert c.get(path).status_code == 200  # no cookie, no token header: public
+        r = c.post(path, content=b"List-Unsubscribe=One-Click",
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200 and "You are unsubscribed" in r.text and not r.is_redirect
+    assert db.execute("select user_id, scope, source from mail.suppression").fetchall() == [(42, "all", "one_click")]

@@ -1,0 +1,184 @@
+"""The bounce/complaint loop end to end: emails sent through the real engine to the Resend emulator
+(told to bounce or complain for given addresses), the feedback poll over HTTP through the shared
+pacer, the exact suppression rows, the next run excluding them, and bounded re-polling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from conftest import UNSUBSCRIBE_SECRET
+
+from mailflow.campaigns import Campaign
+from mailflow.emulator.testing import EmulatorProcess
+from mailflow.engine import run_lifecycle
+from mailflow.feedback import FeedbackSummary, poll_feedback
+from mailflow.model import DataInterval, RunContext
+from mailflow.provider.client import ResendClient, RetryPolicy
+from mailflow.provider.pacing import PostgresPacer
+from mailflow.render import Renderer
+from mailflow.unsubscribe import signer_from_secret
+
+H = timedelta(hours=1)
+NOW_ISH = timedelta(0)
+
+
+class CountingPacer(PostgresPacer):
+    """The shared PostgreSQL pacer, counting the slots it hands out."""
+
+    claims = 0
+
+    def claim(self) -> float:
+        self.claims += 1
+        return super().claim()
+
+
+class Rig:
+    def __init__(self, db: psycopg.Connection, dsn: str, emulator: EmulatorProcess):
+        self.db, self.dsn, self.emulator = db, dsn, emulator
+        self.closers: list[Any] = []
+
+    def client(self) -> ResendClient:
+        pacer = CountingPacer(lambda: psycopg.connect(self.dsn), account=self.emulator.base_url,
+                              requests_per_second=200)
+        client = ResendClient(self.emulator.base_url, self.emulator.api_key, pacer=pacer,
+                              policy=RetryPolicy(max_attempts=3, base=0.01, cap=0.05), timeout=httpx.Timeout(5.0))
+        self.closers += [client, pacer]
+        return client
+
+    def conn(self) -> psycopg.Connection:
+        c = psycopg.connect(self.dsn, autocommit=True)
+        self.closers.append(c)
+        return c
+
+    def users(self, emails: dict[int, str]) -> None:
+        for uid, email in emails.items():
+            self.db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
+                            " values (%s, %s, %s, now() - interval '60 days', 'UTC', 'free')", (uid, email, f"N{uid}"))
+
+    def send(self, name: str) -> dict[int, str]:
+        """One lifecycle run of a campaign over every app user, its interval ending a minute from the
+        database's now (cooldown 0: earlier sends do not hold anyone back); returns user -> status."""
+        from mailflow.store import PostgresStore
+
+        end = self.db.execute("select date_trunc('minute', now()) + interval '1 minute'").fetchone()[0]  # type: ignore[index]
+        campaign = Campaign(name=name, priority=1, audience_sql="select user_id, email, first_name from app.users",
+                            template="first_practice", subject="Hello {{ user.first_name }}",
+                            from_address="Practice Team <practice@mail.example.com>", reply_to=None,
+                            cooldown=timedelta(0), audience_window=H)
+        renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com",
+                            "https://app.example.com", mailto="")
+        run_lifecycle(PostgresStore(self.conn()), self.client(), renderer, [campaign], DataInterval(end - H, end),
+                      run=RunContext(task_id="send"))
+        return dict(self.db.execute("select user_id, status from mail.send_log where campaign = %s", (name,)).fetchall())
+
+    def poll(self, client: ResendClient | None = None, **kw: Any) -> FeedbackSummary:
+        kw.setdefault("min_age", NOW_ISH)
+        return poll_feedback(self.conn(), client or self.client(), **kw)
+
+    def suppressions(self) -> list[tuple[Any, ...]]:
+        return self.db.execute("select user_id, email, scope, source from mail.suppression order by id").fetchall()
+
+    def statuses(self) -> dict[str, tuple[str, bool, int]]:
+        rows = self.db.execute("select l.email, ds.last_event, ds.final, ds.checks from mail.delivery_status ds"
+                               " join mail.send_log l on l.id = ds.send_log_id").fetchall()
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+@pytest.fixture
+def rig(db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess) -> Iterator[Rig]:
+    r = Rig(db, db_dsn, emulator)
+    yield r
+    for c in reversed(r.closers):
+        c.close()
+
+
+USERS = {1: "user1@example.com", 2: "user2@example.com", 3: "User3@Example.com", 4: "user4@example.com",
+         5: "user5@example.com"}
+
+
+def test_bounces_and_complaints_are_suppressed_exactly_once_and_excluded_from_the_next_run(rig: Rig) -> None:
+    rig.users(USERS)
+    rig.emulator.configure(bounce=["user2@example.com"], complain=["user3@example.com"])
+    assert rig.send("feedback_a") == dict.fromkeys(USERS, "sent")
+
+    client = rig.client()
+    summary = rig.poll(client)
+
+    assert (summary.due, summary.checked, summary.bounced, summary.complained) == (5, 5, 1, 1)
+    assert (summary.suppressed, summary.already_suppressed, summary.errors, summary.stopped) == (2, 0, 0, None)
+    assert summary.events == {"delivered": 3, "bounced": 1, "complained": 1}
+    assert summary.requests == 5 and client.pacer.claims == 5  # type: ignore[attr-defined]  # one slot per GET
+    assert rig.suppressions() == [(None, "user2@example.com", "all", "bounce"),
+                                  (None, "User3@Example.com", "all", "complaint")]
+    ids = dict(rig.db.execute("select email, id from mail.send_log").fetchall())
+    pids = dict(rig.db.execute("select email, provider_message_id from mail.send_log").fetchall())
+    reasons = [r[0] for r in rig.db.execute("select reason from mail.suppression order by id").fetchall()]
+    assert reasons == [f"provider last_event bounced (send_log {ids['user2@example.com']}, "
+                       f"email {pids['user2@example.com']})",
+                       f"provider last_event complained (send_log {ids['User3@Example.com']}, "
+                       f"email {pids['User3@Example.com']})"]
+    assert rig.statuses() == {"user1@example.com": ("delivered", False, 1), "user2@example.com": ("bounced", True, 1),
+                              "User3@Example.com": ("complained", True, 1), "user4@example.com": ("delivered", False, 1),
+                              "user5@example.com": ("delivered", False, 1)}
+
+    # a second poll right away: nothing is due (recheck after 2 h), nothing is added, no request
+    again = rig.poll()
+    assert (again.due, again.checked, again.suppressed, again.requests) == (0, 0, 0, 0)
+    assert len(rig.suppressions()) == 2
+
+    # the next run excludes the bounced and the complained address (case-insensitively)
+    assert rig.send("feedback_b") == {1: "sent", 4: "sent", 5: "sent"}
+    to = sorted(e["to"][0] for e in rig.emulator.read_outbox() if e["tags"][0]["value"] == "feedback_b")
+    assert to == ["user1@example.com", "user4@example.com", "user5@example.com"]
+
+
+def test_re_polling_is_bounded_and_a_late_complaint_is_still_caught(rig: Rig) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com"})
+    rig.send("feedback_a")
+    assert rig.poll().events == {"delivered": 2}
+
+    rig.emulator.configure(complain=["user1@example.com"])  # a complaint arrives hours later
+    second = rig.poll(recheck_after=timedelta(0))
+    assert (second.due, second.complained, second.suppressed) == (2, 1, 1)
+    assert rig.suppressions() == [(None, "user1@example.com", "all", "complaint")]
+    assert rig.statuses() == {"user1@example.com": ("complained", True, 2), "user2@example.com": ("delivered", False, 2)}
+
+    third = rig.poll(recheck_after=timedelta(0), max_checks=3)
+    assert (third.due, third.checked, third.suppressed) == (1, 1, 0)  # the final one is not asked again
+    assert rig.poll(recheck_after=timedelta(0), max_checks=3).due == 0  # max_checks reached
+    assert rig.statuses()["user2@example.com"] == ("delivered", False, 3)
+
+
+def test_an_email_the_provider_no_longer_knows_is_final_and_suppresses_nothing(rig: Rig) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com"})
+    rig.send("feedback_a")
+    rig.emulator.reset()  # the provider forgot them (retention, or another account)
+    s = rig.poll()
+    assert (s.checked, s.not_found, s.suppressed, s.errors) == (2, 2, 0, 0)
+    assert {v for v in rig.statuses().values()} == {("not_found", True, 1)}
+    assert rig.poll(recheck_after=timedelta(0)).due == 0
+
+
+def test_the_window_the_minimum_age_and_the_per_run_limit(rig: Rig) -> None:
+    rig.users({i: f"user{i}@example.com" for i in range(1, 6)})
+    rig.send("feedback_a")
+    assert rig.poll(min_age=timedelta(minutes=10)).due == 0  # just sent: bounces take a moment
+    rig.db.execute("update mail.send_log set sent_at = now() - interval '3 days' where user_id = 5")
+    first = rig.poll(limit=2)
+    assert (first.due, first.checked) == (2, 2)
+    assert rig.poll(limit=10).due == 2  # the rest; user 5 is outside the 48 h window
+    assert 5 not in {r[0] for r in rig.db.execute(
+        "select l.user_id from mail.delivery_status ds join mail.send_log l on l.id = ds.send_log_id").fetchall()}
+
+
+def test_a_time_budget_stops_the_poll_before_the_next_request(rig: Rig) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com"})
+    rig.send("feedback_a")
+    s = rig.poll(budget_seconds=0)
+    assert (s.due, s.checked, s.requests, s.stopped) == (2, 0, 0, "time budget")
+    assert rig.statuses() == {}
