@@ -5,8 +5,9 @@
 --   email       text    the address the email goes to (snapshotted on the send-log row)
 --   first_name  text    may be null or empty (the layouts greet "there")
 -- and any extra columns, which become template variables (user.<column>).
--- Bound parameters available: %(campaign)s (name), %(campaign_id)s. A literal percent sign must be
--- written %% (the statement is run with parameters).
+-- Bound parameters available: campaign (its name) and campaign_id, as psycopg named placeholders.
+-- The statement runs with parameters: a literal percent sign must be doubled, and placeholders
+-- must not appear in comments (they are bound there too).
 select u.user_id,
        u.email,
        u.first_name,

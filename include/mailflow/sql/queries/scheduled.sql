@@ -94,20 +94,22 @@ where id = %(id)s
 -- name: cancel_suppressed_due
 -- Due pending rows of active campaigns whose user or address is suppressed (for all mail or this
 -- campaign) are cancelled before anything is claimed; rows another dispatcher holds are skipped.
-with gone as (
+-- The locked id list is a MATERIALIZED CTE: evaluated once (an IN-subquery with FOR UPDATE can be
+-- rescanned per outer row, and a rescan skips the rows this statement already changed).
+with hit as materialized (
+    select d.id
+    from mail.send_log d
+    join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
+    where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+      and (exists (select 1 from mail.suppression s
+                   where s.user_id = d.user_id and s.scope in ('all', d.campaign))
+           or exists (select 1 from mail.suppression s
+                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign)))
+    for update of d skip locked
+), gone as (
     update mail.send_log l
     set status = 'cancelled', error = 'suppressed before sending'
-    where l.id in (
-        select d.id
-        from mail.send_log d
-        join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
-        where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
-          and (exists (select 1 from mail.suppression s
-                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-               or exists (select 1 from mail.suppression s
-                          where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign)))
-        for update of d skip locked)
-      and l.status = 'pending'
+    where l.id in (select id from hit) and l.status = 'pending'
     returning l.id, l.attempts
 )
 insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
@@ -133,10 +135,13 @@ from p
 
 -- name: claim_due
 -- Claim up to `limit` due rows of ONE active campaign (the one with the earliest due row nobody
--- else holds): pending -> sending, claimed_at, attempts + 1 and the event, in one statement.
--- FOR UPDATE SKIP LOCKED: two dispatchers never claim the same row and never wait on each other;
--- `l.status = 'pending'` re-checks the state, so a row sent or cancelled meanwhile is skipped.
-with pick as (
+-- else holds): pending -> sending, claimed_at, attempts + 1 and the event, in one statement:
+-- UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED), the SELECT being a MATERIALIZED CTE
+-- so it runs exactly once (as a rescanned IN-subquery it would skip the rows already updated by
+-- this statement and claim past the limit). SKIP LOCKED: two dispatchers never claim the same row
+-- and never wait on each other; `l.status = 'pending'` re-checks the state, so a row sent or
+-- cancelled meanwhile is skipped. Suppressed rows are never claimed (see cancel_suppressed_due).
+with pick as materialized (
     select d.campaign
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
@@ -148,23 +153,23 @@ with pick as (
     order by d.scheduled_at, d.id
     limit 1
     for update of d skip locked
+), due as materialized (
+    select d.id
+    from mail.send_log d
+    where d.campaign = (select campaign from pick)
+      and d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+      and not exists (select 1 from mail.suppression s
+                      where s.user_id = d.user_id and s.scope in ('all', d.campaign))
+      and not exists (select 1 from mail.suppression s
+                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign))
+    order by d.scheduled_at, d.id
+    limit %(limit)s
+    for update skip locked
 ), claimed as (
     update mail.send_log l
     set status = 'sending', claimed_at = now(), attempts = l.attempts + 1,
         dag_id = %(dag_id)s, run_id = %(run_id)s, task_id = %(task_id)s
-    where l.id in (
-        select d.id
-        from mail.send_log d
-        where d.campaign = (select campaign from pick)
-          and d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
-          and not exists (select 1 from mail.suppression s
-                          where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-          and not exists (select 1 from mail.suppression s
-                          where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign))
-        order by d.scheduled_at, d.id
-        limit %(limit)s
-        for update skip locked)
-      and l.status = 'pending'
+    where l.id in (select id from due) and l.status = 'pending'
     returning l.id, l.user_id, l.email, l.context, l.campaign, l.attempts, l.scheduled_at
 ), ev as (
     insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
@@ -208,11 +213,14 @@ set plan_start = %(plan_start)s, plan_skip = %(plan_skip)s, planned_through = %(
 where id = %(id)s
 
 -- name: sent_between
--- Emails of a campaign sent or in flight in [start, end) (the per-day cap at resume).
+-- A campaign's emails on one local day [start, end): sent or in flight (by sent/claim time) and,
+-- with include_pending, pending ones planned that day (the per-day cap when a plan is re-anchored).
 select count(*)
 from mail.send_log
-where campaign = %(campaign)s and status in ('sent', 'sending')
-  and coalesce(sent_at, claimed_at) >= %(start)s and coalesce(sent_at, claimed_at) < %(end)s
+where campaign = %(campaign)s
+  and (status in ('sent', 'sending') or (%(include_pending)s and status = 'pending'))
+  and case when status = 'pending' then scheduled_at else coalesce(sent_at, claimed_at) end >= %(start)s
+  and case when status = 'pending' then scheduled_at else coalesce(sent_at, claimed_at) end < %(end)s
 
 -- name: complete_finished
 -- A scheduled campaign whose list is fully provisioned and which has no pending or sending row

@@ -1,0 +1,570 @@
+"""Scheduled campaigns end to end: real PostgreSQL (provisioning, claims, the shared pacer), the real
+Renderer, and the Resend emulator over HTTP through ResendClient. The outbox is the witness.
+
+Dispatch tests plan their rows in the past (fixed dates in January 2026), so every row is due at
+the database's ``now()``; resume tests pass an explicit resume instant so re-planned times are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import httpx
+import jinja2
+import psycopg
+import pytest
+from conftest import UNSUBSCRIBE_SECRET
+
+from mailflow import scheduled
+from mailflow.emulator.testing import EmulatorProcess
+from mailflow.model import RunContext, SendError
+from mailflow.planner import PlanSpec, plan_send_times
+from mailflow.provider.client import ResendClient, RetryPolicy
+from mailflow.provider.pacing import PostgresPacer
+from mailflow.render import Renderer
+from mailflow.scheduled import CampaignStateError, DispatchSummary
+from mailflow.unsubscribe import signer_from_secret
+
+FAST_RETRY = RetryPolicy(max_attempts=2, base=0.01, cap=0.02)
+RUN = RunContext(dag_id="dispatch_scheduled_emails", run_id="test-run", task_id="dispatch")
+PAST = datetime(2026, 1, 5, tzinfo=UTC)  # a Monday, long before any test runs
+ALL_DAY = {"timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["00:00-23:59"], "emails_per_day": 1000}
+BERLIN, NEW_YORK = ZoneInfo("Europe/Berlin"), ZoneInfo("America/New_York")
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+# -- the rig -------------------------------------------------------------------------------------
+
+@dataclass
+class Rig:
+    db: psycopg.Connection
+    dsn: str
+    emulator: EmulatorProcess
+    closers: list[Any] = field(default_factory=list)
+
+    def conn(self) -> psycopg.Connection:
+        c = psycopg.connect(self.dsn)
+        self.closers.append(c)
+        return c
+
+    def client(self, policy: RetryPolicy = FAST_RETRY) -> ResendClient:
+        pacer = PostgresPacer(lambda: psycopg.connect(self.dsn), account=self.emulator.base_url,
+                              requests_per_second=200)
+        client = ResendClient(self.emulator.base_url, self.emulator.api_key, pacer=pacer, policy=policy,
+                              timeout=httpx.Timeout(5.0))
+        self.closers += [client, pacer]
+        return client
+
+    def renderer(self) -> Renderer:
+        return Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
+
+    def dispatch(self, **kw: Any) -> DispatchSummary:
+        kw.setdefault("budget_seconds", 20)
+        kw.setdefault("coalesce_seconds", 0)
+        return scheduled.dispatch(self.conn(), kw.pop("client", None) or self.client(), self.renderer(), run=RUN, **kw)
+
+    def users(self, n: int, *, start: int = 1, plan: str = "free") -> None:
+        self.db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
+                        " select i, 'user' || i || '@example.com', 'First' || i, '2025-01-01', 'UTC', %s"
+                        " from generate_series(%s::bigint, %s::bigint) as i", (plan, start, start + n - 1))
+
+    def campaign(self, name: str = "outreach_test", **spec: Any) -> int:
+        base = {"name": name, "template": "outreach", "subject": "{{ user.first_name }}, the full practice library",
+                "from": "Outreach <outreach@mail.example.com>", "recipients_sql": "free_plan_users",
+                "start_at": PAST}
+        return scheduled.create_campaign(self.db, base | spec, actor="test")
+
+    def provision(self, cid: int, **kw: Any) -> scheduled.ProvisionSummary:
+        kw.setdefault("now", PAST)
+        return scheduled.provision(self.db, cid, **kw)
+
+    def rows(self, where: str = "true") -> list[dict[str, Any]]:
+        cur = self.db.execute(f"select * from mail.send_log where {where} order by user_id, id")
+        names = [d.name for d in cur.description or []]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    def times(self, campaign: str = "outreach_test") -> list[datetime]:
+        return [r[0] for r in self.db.execute(
+            "select scheduled_at from mail.send_log where campaign = %s order by user_id", (campaign,)).fetchall()]
+
+    def events(self, send_log_id: int) -> list[tuple[Any, ...]]:
+        return self.db.execute("select from_status, to_status from mail.send_event where send_log_id = %s order by id",
+                               (send_log_id,)).fetchall()
+
+    def campaign_row(self, cid: int) -> dict[str, Any]:
+        cur = self.db.execute("select * from mail.campaign where id = %s", (cid,))
+        names = [d.name for d in cur.description or []]
+        row = cur.fetchone()
+        assert row is not None
+        return dict(zip(names, row, strict=True))
+
+    def outbox_ids(self) -> Counter[int]:
+        return Counter(int(e["headers"]["X-Mailflow-Send-Id"]) for e in self.emulator.read_outbox())
+
+
+@pytest.fixture
+def rig(db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess) -> Iterator[Rig]:
+    db.execute("truncate mail.campaign_event, mail.campaign_recipient, mail.campaign restart identity cascade")
+    r = Rig(db=db, dsn=db_dsn, emulator=emulator)
+    yield r
+    for c in reversed(r.closers):
+        c.close()
+
+
+def spec_of(**kw: Any) -> PlanSpec:
+    return PlanSpec(timezone=kw.get("timezone", "Europe/Berlin"), emails_per_day=kw.get("emails_per_day", 20),
+                    weekdays=frozenset(kw.get("weekdays", (1, 2, 3, 4, 5))),
+                    windows=tuple(kw.get("windows", ("09:00-12:00", "14:00-17:00"))))
+
+
+# -- provisioning ----------------------------------------------------------------------------------
+
+def test_provisioned_times_equal_the_planner_output_and_rows_carry_a_snapshot(rig: Rig) -> None:
+    rig.users(45)
+    rig.users(3, start=1000, plan="pro")  # not on the list
+    start = datetime(2026, 3, 25, 10, 30, tzinfo=BERLIN)  # Wednesday, across the DST change of 03-29
+    cid = rig.campaign(emails_per_day=4, start_at=start)
+
+    s = rig.provision(cid, chunk=7, now=start - timedelta(days=3))
+
+    expected = list(plan_send_times(spec_of(emails_per_day=4), 45, start))
+    assert rig.times() == expected
+    assert (s.created, s.chunks, s.provisioned_total, s.complete) == (45, 7, 45, True)
+    assert (s.first_send, s.last_send) == (expected[0], expected[-1])
+    rows = rig.rows()
+    assert [r["user_id"] for r in rows] == list(range(1, 46))
+    r0 = rows[0]
+    assert (r0["kind"], r0["status"], r0["email"], r0["attempts"]) == ("scheduled", "pending", "user1@example.com", 0)
+    assert r0["context"] == {"first_name": "First1", "signed_up_at": "2025-01-01T00:00:00+00:00",
+                             "subject": "First1, the full practice library"}
+    assert rig.events(r0["id"]) == [(None, "pending")]
+    c = rig.campaign_row(cid)
+    assert (c["status"], c["provisioned_count"], c["provision_cursor"]) == ("scheduled", 45, 45)
+    assert (c["planned_through"], c["plan_start"]) == (expected[-1], start)
+    assert c["provisioned_at"] is not None
+    assert [r[0] for r in rig.db.execute("select to_status from mail.campaign_event where campaign_id = %s"
+                                         " order by id", (cid,)).fetchall()] == ["draft", "scheduled", "scheduled"]
+
+
+def test_provisioning_twice_creates_nothing_twice_and_keeps_the_times(rig: Rig) -> None:
+    rig.users(30)
+    start = datetime(2026, 6, 1, tzinfo=BERLIN)
+    cid = rig.campaign(start_at=start)
+    rig.db.execute("insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
+                   " values (7, 'outreach_test', 'scheduled', 'planted@example.com', 'pending', '2026-01-01')")
+
+    first = rig.provision(cid, chunk=8, now=start - timedelta(days=1))
+    times = rig.times()
+    second = rig.provision(cid, chunk=8, now=start + timedelta(hours=1))
+
+    assert (first.created, first.skipped_existing) == (29, 1)
+    assert (second.created, second.chunks, second.complete, second.provisioned_total) == (0, 0, True, 29)
+    assert rig.times() == times
+    assert len(rig.rows()) == 30
+    planned = list(plan_send_times(spec_of(), 30, start))
+    assert times == planned[:6] + [utc(2026, 1, 1)] + planned[7:]  # the planted row kept its own time
+
+
+class Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("crash_after", [1, 3])
+def test_a_killed_provisioning_resumes_with_exactly_the_uninterrupted_times(rig: Rig, crash_after: int) -> None:
+    rig.users(100)
+    start = datetime(2026, 10, 20, 15, 0, tzinfo=NEW_YORK)  # spans the fall-back of 2026-11-01
+    cid = rig.campaign(emails_per_day=7, timezone="America/New_York", start_at=start)
+
+    def crash(summary: scheduled.ProvisionSummary) -> None:
+        if summary.chunks == crash_after:
+            raise Crash("killed after a committed chunk")
+
+    with pytest.raises(Crash):
+        rig.provision(cid, chunk=9, now=start - timedelta(days=1), after_chunk=crash)
+    assert len(rig.rows()) == 9 * crash_after
+    assert rig.campaign_row(cid)["provision_cursor"] == 9 * crash_after
+
+    rest = rig.provision(cid, chunk=9, now=start - timedelta(hours=20))
+
+    assert rest.created == 100 - 9 * crash_after
+    assert rig.times() == list(plan_send_times(spec_of(emails_per_day=7, timezone="America/New_York"), 100, start))
+    assert len({r["user_id"] for r in rig.rows()}) == 100
+
+
+# Exact UTC expectations on DST days of two zones (weekdays: all; one window per case).
+DST_CASES = {
+    # Europe/Berlin spring forward 2026-03-29 02:00 CET -> 03:00 CEST: 09:00 local is 08:00 UTC the day
+    # before and 07:00 UTC on the day; 01:00-04:00 loses its 02:00-03:00 gap (2 h left).
+    "berlin_spring": ("Europe/Berlin", ["09:00-12:00"], 3, datetime(2026, 3, 28, tzinfo=BERLIN), 6,
+                      [utc(2026, 3, 28, 8), utc(2026, 3, 28, 9), utc(2026, 3, 28, 10),
+                       utc(2026, 3, 29, 7), utc(2026, 3, 29, 8), utc(2026, 3, 29, 9)]),
+    "berlin_gap": ("Europe/Berlin", ["01:00-04:00"], 2, datetime(2026, 3, 29, tzinfo=BERLIN), 2,
+                   [utc(2026, 3, 29, 0), utc(2026, 3, 29, 1)]),
+    # Europe/Berlin fall back 2026-10-25 03:00 CEST -> 02:00 CET.
+    "berlin_fall": ("Europe/Berlin", ["09:00-12:00"], 3, datetime(2026, 10, 24, tzinfo=BERLIN), 6,
+                    [utc(2026, 10, 24, 7), utc(2026, 10, 24, 8), utc(2026, 10, 24, 9),
+                     utc(2026, 10, 25, 8), utc(2026, 10, 25, 9), utc(2026, 10, 25, 10)]),
+    # America/New_York spring forward 2026-03-08 02:00 EST -> 03:00 EDT.
+    "new_york_spring": ("America/New_York", ["09:00-11:00"], 2, datetime(2026, 3, 7, tzinfo=NEW_YORK), 4,
+                        [utc(2026, 3, 7, 14), utc(2026, 3, 7, 15), utc(2026, 3, 8, 13), utc(2026, 3, 8, 14)]),
+    # America/New_York fall back 2026-11-01 02:00 EDT -> 01:00 EST: 01:00-02:00 happens twice (2 h).
+    "new_york_repeated_hour": ("America/New_York", ["01:00-02:00"], 2, datetime(2026, 11, 1, tzinfo=NEW_YORK), 2,
+                               [utc(2026, 11, 1, 5), utc(2026, 11, 1, 6)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DST_CASES))
+def test_dst_days_of_two_zones_get_exact_utc_times(rig: Rig, case: str) -> None:
+    tz, windows, per_day, start, n, expected = DST_CASES[case]
+    rig.users(n)
+    cid = rig.campaign(timezone=tz, windows=windows, emails_per_day=per_day, weekdays=list(range(1, 8)),
+                       start_at=start)
+    rig.provision(cid, chunk=1, now=start - timedelta(days=1))  # one row per chunk: every day is resumed
+    assert rig.times() == expected
+
+
+def test_dry_run_summarises_the_plan_and_writes_nothing(rig: Rig) -> None:
+    rig.users(50)
+    start = datetime(2026, 6, 1, tzinfo=BERLIN)  # Monday
+    cid = rig.campaign(start_at=start)
+
+    s = rig.provision(cid, dry_run=True, now=start - timedelta(days=1))
+
+    assert rig.rows() == []
+    assert rig.campaign_row(cid)["status"] == "draft"
+    assert (s.recipients, s.emails_per_day, s.per_day_max, s.sending_days, s.days_spanned) == (50, 20, 20, 3, 3)
+    assert (s.first_send, s.last_send) == (utc(2026, 6, 1, 7), list(plan_send_times(spec_of(), 50, start))[-1])
+    assert json.loads(json.dumps(s.as_dict()))["first_send"] == "2026-06-01T07:00:00+00:00"
+
+
+def test_an_uploaded_recipient_list_is_provisioned_with_its_context(rig: Rig, tmp_path: Path) -> None:
+    csv_file = tmp_path / "list.csv"
+    csv_file.write_text("user_id,email,first_name,company\n3,a@example.com,Ann,Acme\n1,b@example.com,,Bcorp\n"
+                        "2,,Nobody,None\n")
+    cid = scheduled.create_campaign(rig.db, {
+        "name": "uploaded", "template": "outreach", "subject": "News for {{ user.company }}",
+        "from": "Outreach <outreach@mail.example.com>", "recipients_csv": "list.csv", **ALL_DAY,
+        "start_at": "2026-01-05T00:00:00+00:00"}, base_dir=tmp_path)
+
+    s = rig.provision(cid)
+
+    assert (s.created, s.skipped_no_email) == (2, 1)
+    rows = rig.rows()
+    assert [(r["user_id"], r["email"], r["context"]) for r in rows] == [
+        (1, "b@example.com", {"first_name": "", "company": "Bcorp", "subject": "News for Bcorp"}),
+        (3, "a@example.com", {"first_name": "Ann", "company": "Acme", "subject": "News for Acme"})]
+
+
+# -- dispatch ----------------------------------------------------------------------------------------
+
+def provisioned(rig: Rig, n: int, name: str = "outreach_test", **spec: Any) -> int:
+    """A scheduled campaign with ``n`` rows planned on 2026-01-05 (all long due)."""
+    rig.users(n)
+    cid = rig.campaign(name, **(ALL_DAY | spec))
+    assert rig.provision(cid).created == n
+    return cid
+
+
+def test_two_concurrent_dispatchers_send_every_row_exactly_once(rig: Rig) -> None:
+    cid = provisioned(rig, 500)
+    rig.emulator.configure(latency_ms=50)
+    results: dict[str, DispatchSummary] = {}
+    errors: list[BaseException] = []
+    clients = [rig.client(), rig.client()]
+    conns = [rig.conn(), rig.conn()]
+    renderer = rig.renderer()
+
+    def worker(i: int) -> None:
+        try:
+            results[f"d{i}"] = scheduled.dispatch(conns[i], clients[i], renderer, budget_seconds=60,
+                                                  coalesce_seconds=0, batch_size=50,
+                                                  run=RunContext("dispatch_scheduled_emails", f"run-{i}", "dispatch"))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    assert not errors
+    assert all(s.claimed > 0 for s in results.values()), results  # both did work, neither blocked
+    assert sum(s.claimed for s in results.values()) == sum(s.sent for s in results.values()) == 500
+    rows = rig.rows()
+    assert Counter(r["status"] for r in rows) == {"sent": 500}
+    assert all(r["attempts"] == 1 for r in rows)
+    outbox = rig.emulator.read_outbox()
+    assert len(outbox) == 500
+    assert rig.outbox_ids() == Counter({r["id"]: 1 for r in rows})
+    assert {e["id"] for e in outbox} == {r["provider_message_id"] for r in rows}
+    claims = rig.db.execute("select send_log_id, count(*) from mail.send_event where to_status = 'sending'"
+                            " group by send_log_id").fetchall()
+    assert len(claims) == 500 and {n for _, n in claims} == {1}  # no row claimed twice
+    assert {r["run_id"] for r in rows} == {"run-0", "run-1"}
+    assert rig.campaign_row(cid)["status"] == "completed"
+
+
+def test_a_dispatcher_skips_rows_another_holds_without_waiting(rig: Rig) -> None:
+    provisioned(rig, 6)
+    a, b = rig.conn(), rig.conn()
+    b.execute("set lock_timeout = '1s'")
+    b.commit()
+    renderer = rig.renderer()
+    da = scheduled._Dispatcher(a, renderer, RUN, batch_size=4)
+    db_ = scheduled._Dispatcher(b, renderer, RUN, batch_size=4)
+    with a.transaction():  # A's claim stays uncommitted: its rows stay locked
+        _, ca = da.claim()
+        _, cb = db_.claim()  # would raise LockNotAvailable if it waited for A
+    assert ca is not None and cb is not None
+    ids_a, ids_b = {r.id for r in ca.rows}, {r.id for r in cb.rows}
+    assert (len(ids_a), len(ids_b), ids_a & ids_b) == (4, 2, set())
+
+
+def test_cancel_turns_pending_into_cancelled_and_leaves_rows_in_flight(rig: Rig) -> None:
+    cid = provisioned(rig, 10)
+    ids = [r["id"] for r in rig.rows()]
+    rig.db.execute("update mail.send_log set status = 'sending', claimed_at = now(), attempts = 1 where id = any(%s)",
+                   (ids[:2],))
+    rig.db.execute("update mail.send_log set status = 'sent', sent_at = now(), provider_message_id = 'p-3'"
+                   " where id = %s", (ids[2],))
+
+    out = scheduled.cancel(rig.db, cid, actor="ops")
+
+    assert out == {"campaign": "outreach_test", "status": "cancelled", "changed": True, "rows_cancelled": 7}
+    assert [r["status"] for r in rig.rows()] == ["sending"] * 2 + ["sent"] + ["cancelled"] * 7
+    assert rig.events(ids[5]) == [(None, "pending"), ("pending", "cancelled")]
+    assert rig.db.execute("select from_status, to_status, actor from mail.campaign_event where campaign_id = %s"
+                          " order by id desc limit 1", (cid,)).fetchone() == ("scheduled", "cancelled", "ops")
+    summary = rig.dispatch()
+    assert (summary.claimed, summary.sent) == (0, 0)
+    assert rig.emulator.read_outbox() == []
+    assert scheduled.cancel(rig.db, cid)["changed"] is False  # idempotent
+    with pytest.raises(CampaignStateError, match="cancelled"):
+        scheduled.resume(rig.db, cid)
+    assert rig.provision(cid).stopped == "campaign cancelled"
+
+
+def test_pause_stops_dispatch_and_resume_replans_the_overdue_rows_in_order(rig: Rig) -> None:
+    spec = {"timezone": "Europe/Berlin", "weekdays": [1, 2, 3, 4, 5], "windows": ["09:00-12:00", "14:00-17:00"],
+            "emails_per_day": 10}
+    cid = provisioned(rig, 20, **spec)
+    ids = [r["id"] for r in rig.rows()]
+    # the first 5 went out before the pause
+    rig.db.execute("update mail.send_log set status = 'sent', sent_at = scheduled_at + interval '3 seconds',"
+                   " provider_message_id = 'early-' || id where id = any(%s)", (ids[:5],))
+    assert scheduled.pause(rig.db, cid)["changed"] is True
+
+    paused = rig.dispatch()
+    assert (paused.claimed, rig.emulator.read_outbox()) == (0, [])
+    assert Counter(r["status"] for r in rig.rows()) == {"pending": 15, "sent": 5}
+
+    resume_at = datetime(2026, 2, 3, 10, 7, tzinfo=BERLIN)  # Tuesday, inside the morning window
+    out = scheduled.resume(rig.db, cid, now=resume_at, actor="ops")
+
+    replanned = list(plan_send_times(spec_of(**spec), 15, resume_at))
+    assert (out["overdue"], out["replanned"], out["first"]) == (15, 15, replanned[0].isoformat())
+    assert rig.times()[5:] == replanned  # in their original order, from the resume instant
+    assert replanned[0] == resume_at and replanned[-1].astimezone(BERLIN).date().isoformat() == "2026-02-04"
+    c = rig.campaign_row(cid)
+    assert (c["status"], c["plan_start"], c["plan_skip"], c["planned_through"]) == (
+        "scheduled", resume_at, 0, replanned[-1])
+
+    summary = rig.dispatch()
+    assert summary.sent == 15
+    assert Counter(r["status"] for r in rig.rows()) == {"sent": 20}
+    assert rig.outbox_ids() == Counter({i: 1 for i in ids[5:]})  # nobody skipped, nobody twice
+    assert summary.completed == ["outreach_test"]
+    assert rig.campaign_row(cid)["status"] == "completed"
+
+
+def test_resume_keeps_the_daily_cap_on_the_resume_day(rig: Rig) -> None:
+    spec = {"timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["09:00-17:00"], "emails_per_day": 8}
+    cid = provisioned(rig, 12, **spec)
+    ids = [r["id"] for r in rig.rows()]
+    resume_at = utc(2026, 2, 10, 9, 0)
+    rig.db.execute("update mail.send_log set status = 'sent', sent_at = %s, provider_message_id = 'x-' || id"
+                   " where id = any(%s)", (resume_at - timedelta(minutes=30), ids[:3]))
+    scheduled.pause(rig.db, cid)
+
+    out = scheduled.resume(rig.db, cid, now=resume_at)
+
+    # 3 of the day's 8 slots are used: the 9 pending rows take the day's last 5 slots, then the next day
+    expected = list(plan_send_times(spec_of(**spec), 12, resume_at))[3:]
+    assert rig.times()[3:] == expected
+    assert expected[:5] == [utc(2026, 2, 10, h) for h in (12, 13, 14, 15, 16)]
+    assert (out["replanned"], rig.campaign_row(cid)["plan_skip"]) == (9, 3)
+
+
+def test_resume_without_overdue_rows_moves_nothing(rig: Rig) -> None:
+    rig.users(5)
+    start = datetime(2030, 1, 7, tzinfo=BERLIN)
+    cid = rig.campaign(start_at=start)
+    rig.provision(cid, now=start - timedelta(days=3))
+    before = rig.times()
+    scheduled.pause(rig.db, cid)
+    assert scheduled.pause(rig.db, cid)["changed"] is False
+
+    out = scheduled.resume(rig.db, cid, now=start - timedelta(days=1))
+
+    assert (out["overdue"], out["replanned"]) == (0, 0)
+    assert rig.times() == before
+    assert scheduled.resume(rig.db, cid)["changed"] is False
+
+
+def test_rows_already_sent_or_cancelled_are_skipped_without_error(rig: Rig) -> None:
+    provisioned(rig, 4)
+    ids = [r["id"] for r in rig.rows()]
+    rig.db.execute("update mail.send_log set status = 'sent', sent_at = now(), provider_message_id = 'done-1'"
+                   " where id = %s", (ids[0],))
+    rig.db.execute("update mail.send_log set status = 'cancelled' where id = %s", (ids[1],))
+
+    d = scheduled._Dispatcher(rig.conn(), rig.renderer(), RUN, batch_size=100)
+    _, claim = d.claim()
+    assert claim is not None and [r.id for r in claim.rows] == ids[2:]
+    # a reconciler settles one of the claimed rows while its batch is in flight
+    rig.db.execute("update mail.send_log set status = 'sent', sent_at = now(), provider_message_id = 'other'"
+                   " where id = %s", (ids[3],))
+    summary = DispatchSummary()
+    d.send(claim, rig.client(), deadline=float("inf"), summary=summary)
+
+    assert summary.sent == 1
+    rows = rig.rows()
+    assert [(r["status"], r["provider_message_id"]) for r in rows][:2] == [("sent", "done-1"), ("cancelled", None)]
+    assert rows[3]["provider_message_id"] == "other"  # applied once, by its first writer
+    assert rig.events(ids[0]) == rig.events(ids[1]) == [(None, "pending")]
+    assert rig.dispatch().claimed == 0
+
+
+def test_suppressed_users_and_addresses_are_cancelled_at_dispatch(rig: Rig) -> None:
+    provisioned(rig, 5)
+    rig.db.execute("insert into mail.suppression (user_id, scope, source) values (2, 'all', 'unsubscribe')")
+    rig.db.execute("insert into mail.suppression (email, scope, source) values ('USER4@example.com', 'outreach_test',"
+                   " 'unsubscribe')")
+    rig.db.execute("insert into mail.suppression (user_id, scope, source) values (5, 'other_campaign', 'unsubscribe')")
+
+    summary = rig.dispatch()
+
+    assert (summary.suppressed, summary.sent) == (2, 3)
+    by_user = {r["user_id"]: r for r in rig.rows()}
+    assert {u: r["status"] for u, r in by_user.items()} == {1: "sent", 2: "cancelled", 3: "sent", 4: "cancelled",
+                                                            5: "sent"}
+    assert rig.events(by_user[2]["id"]) == [(None, "pending"), ("pending", "cancelled")]
+    assert by_user[4]["error"] == "suppressed before sending"
+    assert sorted(e["to"][0] for e in rig.emulator.read_outbox()) == [
+        "user1@example.com", "user3@example.com", "user5@example.com"]
+
+
+def test_a_whole_request_5xx_returns_rows_to_pending_with_backoff_then_dead_letters(rig: Rig) -> None:
+    provisioned(rig, 2)
+    rig.emulator.configure(error_rate=1.0)
+
+    for attempt in (1, 2, 3):
+        before = rig.db.execute("select now()").fetchone()[0]  # type: ignore[index]
+        summary = rig.dispatch()
+        assert (summary.claimed, summary.released, summary.sent) == (2, 2, 0)
+        rows = rig.rows()
+        assert {r["attempts"] for r in rows} == {attempt}
+        if attempt < 3:
+            assert {r["status"] for r in rows} == {"pending"}
+            assert all(r["scheduled_at"] >= before + timedelta(minutes=2 ** attempt) for r in rows)
+            assert all(r["idempotency_key"] is None and "HTTP 500" in r["error"] for r in rows)
+            rig.db.execute("update mail.send_log set scheduled_at = now() - interval '1 second'")
+    rows = rig.rows()
+    assert {r["status"] for r in rows} == {"failed"}
+    assert all(r["dead_lettered_at"] is not None and r["released_at"] is None for r in rows)
+    assert rig.events(rows[0]["id"]) == [(None, "pending")] + [("pending", "sending"), ("sending", "pending")] * 2 + [
+        ("pending", "sending"), ("sending", "failed")]
+    keys = rig.db.execute("select count(distinct idempotency_key) from mail.send_batch").fetchone()
+    assert keys == (3,)  # every attempt its own key: a released row never reuses one
+    assert rig.emulator.read_outbox() == []
+
+
+def test_dispatch_waits_for_a_row_due_inside_its_budget_and_leaves_later_ones(rig: Rig) -> None:
+    cid = provisioned(rig, 3)
+    ids = [r["id"] for r in rig.rows()]
+    rig.db.execute("update mail.send_log set scheduled_at = now() + interval '2 seconds' where id = %s", (ids[1],))
+    rig.db.execute("update mail.send_log set scheduled_at = now() + interval '1 hour' where id = %s", (ids[2],))
+
+    summary = rig.dispatch(budget_seconds=15, coalesce_seconds=0.5, poll_seconds=1)
+
+    assert (summary.sent, summary.batches, summary.stopped) == (2, 2, None)
+    assert 1.0 < summary.idle_seconds < 5 and summary.seconds < 10  # left before the budget: next row is far
+    lateness = rig.db.execute("select extract(epoch from sent_at - scheduled_at) from mail.send_log where id = %s",
+                              (ids[1],)).fetchone()
+    assert lateness is not None and 0 <= lateness[0] < 3
+    assert rig.campaign_row(cid)["status"] == "scheduled"  # one row still pending
+
+
+def test_cli_creates_and_reports_a_campaign(rig: Rig, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rig.users(3)
+    spec = tmp_path / "spring.toml"
+    spec.write_text('name = "spring_outreach"\ntemplate = "outreach"\nsubject = "Hi {{ user.first_name }}"\n'
+                    'from = "Outreach <outreach@mail.example.com>"\nrecipients_sql = "free_plan_users"\n'
+                    'timezone = "America/New_York"\nemails_per_day = 5\nwindows = ["10:00-12:00"]\n'
+                    "start_at = 2030-01-07T00:00:00Z\n")  # a Monday, in the future (the CLI plans from now)
+    assert scheduled.main(["--dsn", rig.dsn, "create", str(spec)]) == 0
+    created = json.loads(capsys.readouterr().out)
+    assert (created["name"], created["status"], created["windows"]) == ("spring_outreach", "draft", ["10:00-12:00"])
+    assert scheduled.main(["--dsn", rig.dsn, "provision", "spring_outreach", "--dry-run"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert (dry["recipients"], dry["first_send"]) == (3, "2030-01-07T15:00:00+00:00")  # 10:00 EST
+    assert scheduled.main(["--dsn", rig.dsn, "provision", "spring_outreach"]) == 0
+    assert json.loads(capsys.readouterr().out)["created"] == 3
+    assert scheduled.main(["--dsn", rig.dsn, "pause", "spring_outreach"]) == 0
+    capsys.readouterr()
+    assert scheduled.main(["--dsn", rig.dsn, "status", str(created["id"])]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["status"], st["rows"]["pending"], st["provisioned_count"]) == ("paused", 3, 3)
+
+
+def test_create_refuses_an_invalid_spec(rig: Rig) -> None:
+    base = {"name": "bad", "template": "outreach", "subject": "x", "from": "a@mail.example.com",
+            "recipients_sql": "free_plan_users"}
+    with pytest.raises(ValueError, match="unknown IANA timezone"):
+        scheduled.create_campaign(rig.db, base | {"timezone": "Mars/Olympus"})
+    with pytest.raises(ValueError, match="template"):
+        scheduled.create_campaign(rig.db, base | {"template": "nope"})
+    with pytest.raises(ValueError, match="exactly one of"):
+        scheduled.create_campaign(rig.db, base | {"recipients_table": "mail.campaign_recipient"})
+    with pytest.raises(ValueError, match="overlap"):
+        scheduled.create_campaign(rig.db, base | {"windows": ["09:00-12:00", "11:00-13:00"]})
+
+
+def test_a_row_that_cannot_render_fails_alone_and_the_run_says_so(rig: Rig) -> None:
+    provisioned(rig, 3)
+    ids = [r["id"] for r in rig.rows()]
+    rig.db.execute("update mail.send_log set context = context - 'first_name' where id = %s", (ids[1],))
+
+    with pytest.raises(SendError, match="could not be rendered"):
+        rig.dispatch()
+
+    rows = rig.rows()
+    assert [r["status"] for r in rows] == ["sent", "failed", "sent"]
+    assert "render failed" in rows[1]["error"] and "first_name" in rows[1]["error"]
+    assert rig.outbox_ids() == Counter({ids[0]: 1, ids[2]: 1})
+    assert rig.dispatch().claimed == 0  # the failed row is terminal: the next run is clean
+
+
+def test_a_missing_template_fails_the_run_and_leaves_rows_pending(rig: Rig) -> None:
+    cid = provisioned(rig, 2)
+    rig.db.execute("update mail.campaign set template = 'no_such_template' where id = %s", (cid,))
+
+    with pytest.raises(jinja2.TemplateNotFound):
+        rig.dispatch()
+
+    rows = rig.rows()
+    assert [(r["status"], r["attempts"]) for r in rows] == [("pending", 0), ("pending", 0)]
+    assert rig.events(rows[0]["id"]) == [(None, "pending")]  # the claim rolled back entirely
+    assert rig.db.execute("select count(*) from mail.send_batch").fetchone() == (0,)
