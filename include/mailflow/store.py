@@ -88,7 +88,8 @@ class PostgresStore:
     @staticmethod
     def _params(campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> dict[str, Any]:
         return {"campaign": campaign.name, "window_start": window[0], "window_end": window[1],
-                "cooldown_since": cooldown_since, "max_attempts": settings.max_attempts()}
+                "cooldown_since": cooldown_since, "cooldown_until": cooldown_since + 2 * campaign.cooldown,
+                "max_attempts": settings.max_attempts()}
 
     def count_audience(self, campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> int:
         """Audience size after exclusions (emails), read in its own short transaction."""

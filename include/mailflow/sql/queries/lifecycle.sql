@@ -4,8 +4,10 @@
 -- Exclusions:
 --   dedupe:      the user already has a live row for this campaign (unique key send_log_user_campaign_uq);
 --   attempts:    max_attempts whole-request failures for this campaign already (a dead letter);
---   cooldown:    a pending/sending row of any campaign, or one sent since cooldown_since
---                (no upper bound, so a backfill also sees what was sent after its interval);
+--   cooldown:    any campaign's email within the cooldown on either side of the interval end:
+--                sent since cooldown_since (no upper bound, so a backfill also sees what was
+--                sent after its interval), in flight ('sending'), or planned ('pending') before
+--                cooldown_until (a scheduled email weeks away does not block today's);
 --   suppression: the user or the address is suppressed for all mail or for this campaign.
 select a.user_id, a.email, to_jsonb(a) - 'user_id' - 'email' as context
 from (
@@ -18,7 +20,10 @@ where not exists (select 1 from mail.send_log d
   and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id
                     and c.status in ('pending', 'sending', 'sent')
-                    and (c.status <> 'sent' or c.sent_at >= %(cooldown_since)s))
+                    and case c.status
+                          when 'sent' then c.sent_at >= %(cooldown_since)s
+                          when 'pending' then coalesce(c.scheduled_at, c.minted_at) < %(cooldown_until)s
+                          else true end)
   and not exists (select 1 from mail.suppression s
                   where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
   and not exists (select 1 from mail.suppression s

@@ -1,0 +1,37 @@
+"""The cooldown across campaigns and kinds: sent, in flight and planned emails of any campaign."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from test_lifecycle_send import END, Rig, add_user, rig, simple_campaign  # noqa: F401
+
+D = timedelta(days=1)
+
+
+def plant(rig: Rig, uid: int, status: str, **cols) -> None:
+    names = ["user_id", "campaign", "kind", "email", "status", *cols]
+    values = [uid, "outreach", "scheduled", f"user{uid}@example.com", status, *cols.values()]
+    if status == "sent":
+        names.append("provider_message_id")
+        values.append(f"p{uid}")
+    rig.db.execute(f"insert into mail.send_log ({', '.join(names)}) values ({', '.join(['%s'] * len(values))})",
+                   values)
+
+
+@pytest.mark.parametrize(("status", "cols", "eligible"), [
+    ("sent", {"sent_at": END - 3 * D}, False),       # sent 3 days before the interval end
+    ("sent", {"sent_at": END - 8 * D}, True),        # 8 days: outside a 7-day cooldown
+    ("sent", {"sent_at": END + 2 * D}, False),       # a backfill sees what was sent after its interval
+    ("sending", {"claimed_at": END}, False),         # in flight
+    ("pending", {"scheduled_at": END + 2 * D}, False),   # planned in 2 days: would be too close
+    ("pending", {"scheduled_at": END + 21 * D}, True),   # planned in 3 weeks: does not block today
+    ("failed", {}, True),                            # nothing was delivered
+    ("cancelled", {}, True),
+])
+def test_cooldown_counts_sent_in_flight_and_planned_emails(rig: Rig, status: str, cols: dict, eligible: bool) -> None:
+    add_user(rig.db, 1)
+    plant(rig, 1, status, **cols)
+    [s] = rig.run([simple_campaign("lc", 1)])
+    assert (s.eligible, s.sent) == ((1, 1) if eligible else (0, 0))
