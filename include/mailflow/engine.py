@@ -8,7 +8,7 @@ without Airflow; the DAG only builds these from connections and calls :func:`run
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Protocol
@@ -19,6 +19,7 @@ from mailflow.model import (
     Accepted,
     CampaignSummary,
     DataInterval,
+    MintedRow,
     NotSent,
     Outcome,
     PreparedBatch,
@@ -28,7 +29,7 @@ from mailflow.model import (
     Unknown,
 )
 from mailflow.render import Renderer
-from mailflow.store import Store
+from mailflow.store import Applied, Store
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,33 @@ def chunk_size_ok(chunk_size: int) -> int:
     if not 1 <= int(chunk_size) <= MAX_BATCH:
         raise ValueError(f"chunk_size must be between 1 and {MAX_BATCH} emails (provider batch limit), got {chunk_size}")
     return int(chunk_size)
+
+
+def send_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Sequence[MintedRow]], PreparedBatch],
+               batch: PreparedBatch, rows: Sequence[MintedRow], deadline: float,
+               run: RunContext) -> tuple[Outcome, Applied, PreparedBatch]:
+    """Send one stored batch and apply the provider's answer by index (both DAG kinds use this).
+
+    On a strict-mode refusal (:class:`Refused`) the named rows fail and the others are re-rendered
+    with ``prepare`` into a new batch (new key, derived from the remaining rows), stored with
+    ``store.rebatch`` and sent; this repeats at most once per row.
+
+    :param rows: the batch's rows in request order (``rows[i]`` is request index ``i``).
+    :returns: the last outcome, the row changes summed over all attempts, and the last batch sent.
+    """
+    total = Applied()
+    while True:
+        outcome = provider.send_batch(batch, deadline)
+        total = total + store.apply(batch, outcome, run)
+        if not isinstance(outcome, Refused):
+            return outcome, total, batch
+        rows = tuple(r for i, r in enumerate(rows) if i not in outcome.rejected)
+        log.info("%s: %d email(s) refused by strict validation, resending %d as a new batch",
+                 batch.campaign, len(outcome.rejected), len(rows))
+        if not rows:
+            return outcome, total, batch
+        batch = prepare(rows)
+        store.rebatch(batch)
 
 
 def run_lifecycle(
@@ -121,27 +149,14 @@ def run_lifecycle(
             cursor = minted.cursor
             if minted.batch is None:
                 continue
-            batch, rows = minted.batch, minted.rows
             summary.chunks += 1
-            summary.minted += len(batch.row_ids)
-            while True:
-                outcome = provider.send_batch(batch, deadline)
-                applied = store.apply(batch, outcome, run)
-                summary.sent += applied.sent
-                summary.failed += applied.failed
-                summary.released += applied.released
-                summary.unknown += applied.unknown
-                if not isinstance(outcome, Refused):
-                    break
-                # Strict validation refused the request for the named emails only: they failed;
-                # the others go again as a new batch with a key derived from the remaining rows.
-                rows = tuple(r for i, r in enumerate(rows) if i not in outcome.rejected)
-                log.info("%s: %d email(s) refused by strict validation, resending %d as a new batch",
-                         campaign.name, len(outcome.rejected), len(rows))
-                if not rows:
-                    break
-                batch = renderer.prepare_batch(campaign, rows)
-                store.rebatch(batch)
+            summary.minted += len(minted.batch.row_ids)
+            outcome, applied, batch = send_chunk(store, provider, partial(renderer.prepare_batch, campaign),
+                                                 minted.batch, minted.rows, deadline, run)
+            summary.sent += applied.sent
+            summary.failed += applied.failed
+            summary.released += applied.released
+            summary.unknown += applied.unknown
             log.info("%s chunk %d (%s): %d emails -> %d sent, %d rejected, %d rolled back, %d unknown%s",
                      campaign.name, summary.chunks, batch.idempotency_key, len(batch.row_ids), applied.sent,
                      applied.failed, applied.released, applied.unknown,

@@ -53,6 +53,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
+from functools import partial
 from itertools import dropwhile, islice
 from pathlib import Path
 from typing import Any
@@ -66,13 +67,13 @@ from psycopg.types.json import Jsonb
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
 from mailflow.clock import Clock, SystemClock
+from mailflow.engine import MAX_BATCH, send_chunk
 from mailflow.model import (
     Accepted,
     MintedRow,
     NotSent,
     Outcome,
     PreparedBatch,
-    Refused,
     RunContext,
     SendError,
     Unknown,
@@ -91,7 +92,6 @@ __all__ = [
     "upload_recipients",
 ]
 
-MAX_BATCH = 100  # Resend: POST /emails/batch takes 1 to 100 emails
 BATCH_SIZE = MAX_BATCH
 DISPATCH_BUDGET_SECONDS = 50.0  # one run of the 1-minute dispatch DAG (leaves ~10 s for start-up)
 COALESCE_SECONDS = 5.0  # a due row waits at most this long for others to share its request
@@ -810,24 +810,16 @@ class _Dispatcher:
 
     def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary) -> Outcome:
         assert claim.batch is not None
-        batch, rows, campaign = claim.batch, claim.rows, claim.campaign
-        while True:
-            outcome = provider.send_batch(batch, deadline)
-            applied = self.store.apply(batch, outcome, self.run)
-            summary.sent += applied.sent
-            summary.failed += applied.failed
-            summary.released += applied.released
-            summary.unknown += applied.unknown
-            if applied.sent:
-                summary.sent_by_campaign[campaign.name] = summary.sent_by_campaign.get(campaign.name, 0) + applied.sent
-            if not isinstance(outcome, Refused):
-                break
-            # strict validation refused the named emails only: they failed; the rest go again
-            rows = tuple(r for i, r in enumerate(rows) if i not in outcome.rejected)
-            if not rows:
-                break
-            batch = self.prepare(campaign, rows, claim.attempts)
-            self.store.rebatch(batch)
+        campaign = claim.campaign
+        outcome, applied, batch = send_chunk(self.store, provider,
+                                             partial(self.prepare, campaign, attempts=claim.attempts),
+                                             claim.batch, claim.rows, deadline, self.run)
+        summary.sent += applied.sent
+        summary.failed += applied.failed
+        summary.released += applied.released
+        summary.unknown += applied.unknown
+        if applied.sent:
+            summary.sent_by_campaign[campaign.name] = summary.sent_by_campaign.get(campaign.name, 0) + applied.sent
         log.info("%s batch %s: %d emails -> %d sent, %d rejected, %d released, %d unknown%s", campaign.name,
                  batch.idempotency_key, len(batch.row_ids), applied.sent, applied.failed, applied.released,
                  applied.unknown, "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")

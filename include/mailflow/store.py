@@ -44,6 +44,10 @@ class Applied:
     released: int = 0
     unknown: int = 0
 
+    def __add__(self, other: Applied) -> Applied:
+        return Applied(self.sent + other.sent, self.failed + other.failed, self.released + other.released,
+                       self.unknown + other.unknown)
+
 
 class Store(Protocol):
     """What the engine needs from a send log."""
