@@ -47,3 +47,7 @@ emulator: venv   ## run the Resend-compatible emulator in the foreground on port
 
 clean: stop      ## remove the demo state (.demo: embedded database, outbox, Airflow home)
 	rm -rf .demo
+
+.PHONY: scale-demo
+scale-demo: venv ## CeleryExecutor + 2 Celery workers (local Redis): per-worker tasks, aggregate rate, 429s
+	$(PY) scripts/scale_demo.py $(SCALE_ARGS)

@@ -24,7 +24,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.alerts import task_failure_alert
+from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
 
 with DAG(
@@ -33,8 +33,7 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"owner": "data-eng", "retries": 2, "retry_delay": timedelta(minutes=2),
-                  "on_failure_callback": task_failure_alert},
+    default_args=default_args(retries=2, retry_delay=timedelta(minutes=2)),
     tags=["email", "deliverability", "mailflow"],
     doc_md=__doc__,
     params={

@@ -31,13 +31,16 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
+from mailflow.alerts import default_args
+from mailflow.assets import SEND_LOG
+
 with DAG(
     dag_id="dispatch_scheduled_emails",
     schedule=CronDataIntervalTimetable("* * * * *", timezone="UTC"),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"owner": "data-eng", "retries": 1, "retry_delay": timedelta(seconds=30)},
+    default_args=default_args(retries=1, retry_delay=timedelta(seconds=30)),
     tags=["email", "scheduled", "mailflow"],
     doc_md=__doc__,
     params={
@@ -48,7 +51,7 @@ with DAG(
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=4))
+    @task(pool="email_provider", execution_timeout=timedelta(minutes=4), outlets=[SEND_LOG])
     def dispatch(**context) -> dict:
         """Send due scheduled emails until nothing is due within the budget; returns counts."""
         from mailflow.scheduled import dispatch_task

