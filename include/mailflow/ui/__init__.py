@@ -1,0 +1,1 @@
+"""Airflow UI extras of mailflow: the live campaign progress page (see :mod:`mailflow.ui.progress`)."""

@@ -1,0 +1,203 @@
+// mailflow campaign progress page: renders the JSON of the plugin's API and keeps it live while
+// sends are active: server-sent events first, polling as the fallback, nothing once done.
+// Every value is written with textContent (never as HTML).
+(function () {
+  "use strict";
+  const body = document.body;
+  const root = body.dataset.root || "";
+  const campaign = body.dataset.campaign || "";
+  const refreshMs = Number(body.dataset.refreshMs) || 2000;
+  const params = new URLSearchParams(window.location.search);
+  const forcePoll = params.get("live") === "poll";
+  const api = campaign ? `${root}/api/campaigns/${encodeURIComponent(campaign)}` : `${root}/api/campaigns`;
+  const streamUrl = `${api.replace(/\/api\/campaigns$/, "/api")}/stream`;
+  const live = document.getElementById("live");
+  const updated = document.getElementById("updated");
+  let source = null;
+  let pollTimer = null;
+
+  const COUNTS = [
+    ["total", "Total"], ["pending", "Pending"], ["sending", "Sending"], ["sent", "Sent"], ["failed", "Failed"],
+    ["cancelled", "Cancelled"], ["rolled_back", "Rolled back"], ["dead_lettered", "Dead letters"],
+    ["percent_done", "Done %"], ["send_rate_per_min", "Rate /min"], ["eta", "ETA"], ["next_due_at", "Next due"],
+    ["last_sent_at", "Last sent"],
+  ];
+  const LIST = ["total", "pending", "sending", "sent", "failed", "cancelled", "rolled_back", "dead_lettered"];
+
+  function setLive(state, text) {
+    live.dataset.state = state;
+    live.textContent = text;
+  }
+
+  function when(iso) {
+    if (!iso) return "";
+    const d = new Date(iso);
+    return isNaN(d) ? String(iso) : d.toLocaleString();
+  }
+
+  function cell(tr, text, cls, field) {
+    const td = document.createElement("td");
+    td.textContent = text === null || text === undefined ? "" : String(text);
+    if (cls) td.className = cls;
+    if (field) td.dataset.field = field;
+    tr.appendChild(td);
+    return td;
+  }
+
+  function fill(tbody, rows, build) {
+    const frag = document.createDocumentFragment();
+    rows.forEach((r) => { const tr = document.createElement("tr"); build(tr, r); frag.appendChild(tr); });
+    tbody.replaceChildren(frag);
+  }
+
+  function pct(td, value) {
+    const bar = document.createElement("span");
+    bar.className = "pct";
+    const fillEl = document.createElement("i");
+    fillEl.style.width = `${Math.max(0, Math.min(100, Number(value) || 0))}%`;
+    bar.appendChild(fillEl);
+    td.textContent = "";
+    td.appendChild(bar);
+    td.appendChild(document.createTextNode(`${Number(value).toFixed(1)}%`));
+  }
+
+  function renderList(data) {
+    const rows = data.campaigns || [];
+    document.getElementById("empty").hidden = rows.length > 0;
+    fill(document.querySelector("#campaigns tbody"), rows, (tr, c) => {
+      tr.dataset.campaign = c.campaign;
+      tr.dataset.active = String(c.active);
+      if (c.active) tr.className = "active";
+      const td = document.createElement("td");
+      const a = document.createElement("a");
+      a.href = `${root}/campaigns/${encodeURIComponent(c.campaign)}`;
+      a.textContent = c.campaign;
+      td.appendChild(a);
+      tr.appendChild(td);
+      cell(tr, c.kind);
+      cell(tr, c.campaign_status || (c.kind === "lifecycle" ? "hourly" : ""));
+      LIST.forEach((k) => cell(tr, c[k], "n", k));
+      pct(cell(tr, "", "", "percent_done"), c.percent_done);
+      cell(tr, c.send_rate_per_min, "n", "send_rate_per_min");
+      cell(tr, c.eta ? when(c.eta) : (c.active ? "unknown" : ""), "", "eta");
+    });
+  }
+
+  function renderCampaign(data) {
+    const p = data.progress;
+    document.getElementById("title-campaign").textContent = p.campaign;
+    const dl = document.getElementById("progress");
+    dl.dataset.active = String(p.active);
+    dl.replaceChildren(...COUNTS.map(([k, label]) => {
+      const div = document.createElement("div");
+      const dt = document.createElement("dt");
+      dt.textContent = label;
+      const dd = document.createElement("dd");
+      dd.dataset.field = k;
+      const v = p[k];
+      dd.textContent = v === null || v === undefined ? "-"
+        : (/_at$|^eta$/.test(k) ? when(v) : (k === "percent_done" ? Number(v).toFixed(1) : String(v)));
+      div.append(dt, dd);
+      return div;
+    }));
+    document.getElementById("bar-fill").style.width = `${Number(p.percent_done) || 0}%`;
+    if (data.days) {
+      fill(document.querySelector("#days tbody"), data.days, (tr, d) => {
+        cell(tr, d.day);
+        ["minted", "sent", "failed", "rolled_back", "cancelled", "dead_lettered", "unique_users"]
+          .forEach((k) => cell(tr, d[k], "n", k));
+      });
+    }
+    fill(document.querySelector("#recent tbody"), data.recent || [], (tr, r) => {
+      tr.dataset.row = r.send_log_id;
+      cell(tr, r.send_log_id);
+      cell(tr, when(r.sent_at || r.claimed_at || r.minted_at));
+      cell(tr, r.user_id);
+      cell(tr, r.email, "", "email");
+      cell(tr, r.rolled_back ? "failed (rolled back)" : r.status, `status-${r.status}`, "status");
+      cell(tr, r.attempts, "n");
+      cell(tr, r.error, "err", "error");
+    });
+    fill(document.querySelector("#errors tbody"), data.errors || [], (tr, e) => {
+      cell(tr, e.error, "err", "error");
+      cell(tr, e.dead_lettered ? "dead letter" : (e.rolled_back ? "rolled back" : "rejected"));
+      cell(tr, e.emails, "n", "emails");
+      cell(tr, when(e.last_at));
+    });
+  }
+
+  function render(data) {
+    if (campaign) renderCampaign(data); else renderList(data);
+    updated.textContent = `updated ${new Date().toLocaleTimeString()}`;
+    updated.dataset.generatedAt = data.generated_at || "";
+  }
+
+  function stop() {
+    if (source) { source.close(); source = null; }
+    if (pollTimer) { clearTimeout(pollTimer); pollTimer = null; }
+  }
+
+  function done() {
+    stop();
+    setLive("done", "done: nothing active, refresh stopped");
+  }
+
+  async function load() {
+    const resp = await fetch(api, { credentials: "same-origin", headers: { Accept: "application/json" } });
+    if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+    return resp.json();
+  }
+
+  function poll() {
+    stop();
+    setLive("polling", "live (polling)");
+    const tick = async () => {
+      try {
+        const data = await load();
+        render(data);
+        if (!data.active) { done(); return; }
+        setLive("polling", "live (polling)");
+      } catch (err) {
+        setLive("error", `refresh failed (${err.message}), retrying`);
+      }
+      pollTimer = setTimeout(tick, refreshMs);
+    };
+    pollTimer = setTimeout(tick, refreshMs);
+  }
+
+  function stream() {
+    if (forcePoll || !("EventSource" in window)) { poll(); return; }
+    stop();
+    let received = false;
+    source = new EventSource(streamUrl, { withCredentials: true });
+    source.addEventListener("progress", (ev) => {
+      received = true;
+      setLive("streaming", "live");
+      render(JSON.parse(ev.data));
+    });
+    source.addEventListener("done", done);
+    source.addEventListener("failure", (ev) => {
+      setLive("error", `send log: ${JSON.parse(ev.data).detail}`);
+    });
+    source.onerror = () => {
+      // A stream that ends after its lifetime reconnects by itself; one that never delivered
+      // (a proxy that buffers, 401/403, no SSE support) or was closed for good falls back to polling.
+      if (!received || (source && source.readyState === EventSource.CLOSED)) poll();
+    };
+  }
+
+  async function start() {
+    document.getElementById(campaign ? "campaign-view" : "list-view").hidden = false;
+    try {
+      const data = await load();
+      render(data);
+      if (data.active) stream(); else done();
+    } catch (err) {
+      setLive("error", `could not load (${err.message}), retrying`);
+      poll();
+    }
+  }
+
+  document.getElementById("refresh").addEventListener("click", () => { stop(); start(); });
+  start();
+})();

@@ -1,0 +1,564 @@
+"""The send log for analysts (migration 0004, docs/send_log.md) on a real PostgreSQL:
+
+* every view's columns and exact values on a small hand-made send log (days in a scheduled
+  campaign's own timezone across a DST-shifted offset, rolled-back attempts, dead letters, cancelled
+  rows, the send rate and ETA against the database clock);
+* the read-only role ``mail_analyst``: SELECT on every table and view, and the exact permission
+  errors for INSERT / UPDATE / DELETE / TRUNCATE / CREATE and for the app schema;
+* a comment on every table, view and column of schema ``mail`` (read from pg_description);
+* the ten example queries, extracted from the markdown and run against the demo data (the demo
+  loader plus one real lifecycle run through the engine and the emulator, with a few planted rows),
+  each compared with results computed independently: the engine's run summaries, the emulator's
+  outbox (the witness of delivery) and the planted rows' definitions.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import errors
+from send_log_demo import (
+    current_hour,
+    doc_questions,
+    lifecycle_run_context,
+    raw_audience,
+    run_doc_query,
+    run_lifecycle_once,
+)
+
+from mailflow import devenv
+from mailflow.campaigns import load_campaigns
+from mailflow.demo.loader import load_demo_data
+from mailflow.emulator.app import ADDRESS_FORMAT
+from mailflow.emulator.testing import EmulatorProcess
+from mailflow.migrate import migrate
+
+VIEWS = ("campaign_daily", "campaign_progress", "email_status", "user_email_history")
+
+
+def at(day: int, hour: int, minute: int = 0) -> datetime:
+    return datetime(2026, 3, day, hour, minute, tzinfo=UTC)
+
+
+# -- a hand-made send log --------------------------------------------------------------------------
+
+@dataclass
+class Put:
+    """One planted send-log row and its events ``(from, to, at, error)``."""
+
+    user_id: int
+    campaign: str
+    status: str
+    minted: datetime
+    kind: str = "lifecycle"
+    claimed: datetime | None = None
+    sent: datetime | None = None
+    released: datetime | None = None
+    dead: datetime | None = None
+    scheduled: datetime | None = None
+    error: str | None = None
+    attempts: int = 1
+    run_id: str | None = None
+    events: list[tuple[str | None, str, datetime, str | None]] = field(default_factory=list)
+    address: str | None = None
+    id: int = 0
+
+    @property
+    def email(self) -> str:
+        return self.address or f"user{self.user_id}@example.com"
+
+    @property
+    def pid(self) -> str | None:
+        return f"pm-{self.campaign}-{self.user_id}-{self.minted:%d%H%M}" if self.status == "sent" else None
+
+
+def put(db: psycopg.Connection, p: Put) -> Put:
+    row = db.execute(
+        "insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at, minted_at, claimed_at,"
+        " sent_at, released_at, provider_message_id, attempts, error, dead_lettered_at, run_id)"
+        " values (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) returning id",
+        (p.user_id, p.campaign, p.kind, p.email, p.status, p.scheduled, p.minted, p.claimed, p.sent, p.released,
+         p.pid, p.attempts, p.error, p.dead, p.run_id)).fetchone()
+    assert row is not None
+    p.id = int(row[0])
+    for frm, to, when, err in p.events:
+        db.execute("insert into mail.send_event (send_log_id, from_status, to_status, at, attempt, error,"
+                   " provider_message_id, run_id) values (%s, %s, %s, %s, %s, %s, %s, %s)",
+                   (p.id, frm, to, when, p.attempts, err, p.pid if to == "sent" else None, p.run_id))
+    return p
+
+
+def add_campaign(db: psycopg.Connection, name: str, timezone: str, status: str) -> None:
+    db.execute("insert into mail.campaign (name, timezone, status, template, subject, from_address, recipients_sql)"
+               " values (%s, %s, %s, 'outreach', 'Hello', 'Team <team@mail.example.com>', 'free_plan_users')",
+               (name, timezone, status))
+
+
+@pytest.fixture
+def handmade(db: psycopg.Connection) -> dict[str, Put]:
+    """Rows of three lifecycle campaigns (UTC days) and a scheduled campaign in America/New_York
+    (EDT, UTC-4, after the 8 March 2026 switch), plus an empty draft campaign."""
+    db.execute("truncate mail.campaign_event, mail.campaign_recipient, mail.campaign restart identity cascade")
+    add_campaign(db, "sc_b", "America/New_York", "scheduled")
+    add_campaign(db, "sc_empty", "Europe/Berlin", "draft")
+    s, f = "sending", "failed"
+    rows = {
+        # lc_a: sent and rejected late on the 9th; a rolled-back attempt on the 10th, dead-lettered on the
+        # 11th, and the user's second attempt; one stuck claim
+        "r1": Put(1, "lc_a", "sent", at(9, 23, 30), claimed=at(9, 23, 30), sent=at(9, 23, 31),
+                  events=[(None, s, at(9, 23, 30), None), (s, "sent", at(9, 23, 31), None)]),
+        "r2": Put(2, "lc_a", f, at(9, 23, 50), claimed=at(9, 23, 50), error="rejected: mailbox unavailable",
+                  events=[(None, s, at(9, 23, 50), None), (s, f, at(9, 23, 50), "rejected: mailbox unavailable")]),
+        "r3": Put(3, "lc_a", f, at(10, 1), claimed=at(10, 1), released=at(10, 1, 5), dead=at(11, 2),
+                  error="HTTP 500 (attempts exhausted)",
+                  events=[(None, s, at(10, 1), None), (s, f, at(10, 1, 5), "HTTP 500"),
+                          (f, f, at(11, 2), "dead-lettered: HTTP 500")]),
+        "r4": Put(3, "lc_a", "sent", at(11, 1), claimed=at(11, 1), sent=at(11, 1, 1),
+                  events=[(None, s, at(11, 1), None), (s, "sent", at(11, 1, 1), None)]),
+        "r5": Put(4, "lc_a", s, at(11, 5), claimed=at(11, 5), events=[(None, s, at(11, 5), None)]),
+        # lc_c: a row without any event (as a hand-repaired row would be)
+        "r10": Put(9, "lc_c", "sent", at(9, 10), claimed=at(9, 10), sent=at(9, 10, 1)),
+        # sc_b: provisioned on the 8th (08:00 EDT); sent 02:00 UTC on the 10th = 22:00 EDT on the 9th;
+        # cancelled 03:30 UTC on the 10th = 23:30 EDT on the 9th; out of attempts 05:00 UTC = 01:00 EDT on
+        # the 10th; one still pending on the 12th
+        "r6": Put(5, "sc_b", "sent", at(8, 12), kind="scheduled", scheduled=at(10, 1, 59), claimed=at(10, 2),
+                  sent=at(10, 2), events=[(None, "pending", at(8, 12), None), ("pending", s, at(10, 2), None),
+                                          (s, "sent", at(10, 2), None)]),
+        "r7": Put(6, "sc_b", "pending", at(8, 12), kind="scheduled", scheduled=at(12, 14), attempts=0,
+                  events=[(None, "pending", at(8, 12), None)]),
+        "r8": Put(7, "sc_b", "cancelled", at(8, 12), kind="scheduled", scheduled=at(10, 14), attempts=0,
+                  error="campaign cancelled", events=[(None, "pending", at(8, 12), None),
+                                                      ("pending", "cancelled", at(10, 3, 30), "campaign cancelled")]),
+        "r9": Put(8, "sc_b", f, at(8, 12), kind="scheduled", scheduled=at(10, 4), claimed=at(10, 5), attempts=3,
+                  dead=at(10, 5), error="gave up", events=[(None, "pending", at(8, 12), None),
+                                                           ("pending", s, at(10, 5), None), (s, f, at(10, 5), "gave up")]),
+    }
+    for p in rows.values():
+        put(db, p)
+    return rows
+
+
+def fetch(db: psycopg.Connection, sql: str, params: Any = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+    cur = db.execute(sql, params)
+    return [d.name for d in cur.description or []], cur.fetchall()
+
+
+def test_campaign_daily_counts_each_event_on_its_local_day(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
+    cols, rows = fetch(db, "select * from mail.campaign_daily order by campaign, day")
+    assert cols == ["campaign", "kind", "timezone", "day", "minted", "sent", "failed", "rolled_back", "cancelled",
+                    "dead_lettered", "unique_users"]
+    utc, ny = "UTC", "America/New_York"
+    assert rows == [
+        ("lc_a", "lifecycle", utc, date(2026, 3, 9), 2, 1, 1, 0, 0, 0, 2),
+        ("lc_a", "lifecycle", utc, date(2026, 3, 10), 1, 0, 0, 1, 0, 0, 1),
+        ("lc_a", "lifecycle", utc, date(2026, 3, 11), 2, 1, 0, 0, 0, 1, 2),
+        ("lc_c", "lifecycle", utc, date(2026, 3, 9), 1, 1, 0, 0, 0, 0, 1),
+        ("sc_b", "scheduled", ny, date(2026, 3, 8), 4, 0, 0, 0, 0, 0, 4),
+        ("sc_b", "scheduled", ny, date(2026, 3, 9), 0, 1, 0, 0, 1, 0, 2),
+        ("sc_b", "scheduled", ny, date(2026, 3, 10), 0, 0, 1, 0, 0, 1, 1),
+    ]
+
+
+def test_campaign_progress_counts_percent_rate_and_eta(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
+    cols, rows = fetch(db, "select * from mail.campaign_progress order by campaign")
+    assert cols == ["campaign", "kind", "campaign_status", "timezone", "total", "pending", "sending", "sent", "failed",
+                    "cancelled", "rolled_back", "dead_lettered", "done", "percent_done", "sent_last_5m",
+                    "send_rate_per_min", "first_minted_at", "last_sent_at", "next_due_at", "last_due_at", "eta",
+                    "active"]
+    d0, d1 = Decimal("0.0"), Decimal("75.0")
+    assert rows == [
+        ("lc_a", "lifecycle", None, "UTC", 4, 0, 1, 2, 1, 0, 1, 1, 3, d1, 0, d0,
+         at(9, 23, 30), at(11, 1, 1), None, None, None, True),
+        ("lc_c", "lifecycle", None, "UTC", 1, 0, 0, 1, 0, 0, 0, 0, 1, Decimal("100.0"), 0, d0,
+         at(9, 10), at(9, 10, 1), None, None, None, False),
+        ("sc_b", "scheduled", "scheduled", "America/New_York", 4, 1, 0, 1, 1, 1, 0, 1, 3, d1, 0, d0,
+         at(8, 12), at(10, 2), at(12, 14), at(12, 14), at(12, 14), True),
+        ("sc_empty", "scheduled", "draft", "Europe/Berlin", 0, 0, 0, 0, 0, 0, 0, 0, 0, Decimal("0"), 0, d0,
+         None, None, None, None, None, False),
+    ]
+    # a campaign sending now (one transaction: one now()): 10 sent 2 minutes ago (5.0 a minute since
+    # the first of them), 1 sent 10 minutes ago, 20 in flight: ETA = now + 20 emails / 5 per minute
+    with db.transaction():
+        live = live_campaign(db)
+    assert live == (31, 20, 11, 11, Decimal("35.5"), 10, Decimal("5.0"), timedelta(minutes=4), True)
+    with db.transaction():  # the same, sent 30 s ago: the rate's window is at least 30 s
+        db.execute("update mail.send_log set sent_at = now() - interval '10 seconds'"
+                   " where campaign = 'lc_live' and sent_at > now() - interval '5 minutes'")
+        assert db.execute("select send_rate_per_min, eta - now() from mail.campaign_progress"
+                          " where campaign = 'lc_live'").fetchone() == (Decimal("20.0"), timedelta(minutes=1))
+
+
+def live_campaign(db: psycopg.Connection) -> tuple[Any, ...] | None:
+    db.execute("insert into mail.send_log (user_id, campaign, email, status, minted_at, claimed_at, sent_at,"
+               " provider_message_id) select g, 'lc_live', 'u' || g || '@example.com', 'sent', now() - interval"
+               " '20 minutes', now() - interval '2 minutes', now() - case when g = 11 then interval '10 minutes'"
+               " else interval '2 minutes' end, 'pm-live-' || g from generate_series(1, 11) as g")
+    db.execute("insert into mail.send_log (user_id, campaign, email, status, minted_at, claimed_at) select g,"
+               " 'lc_live', 'u' || g || '@example.com', 'sending', now() - interval '1 minute', now() - interval"
+               " '30 seconds' from generate_series(12, 31) as g")
+    return db.execute("select total, sending, sent, done, percent_done, sent_last_5m, send_rate_per_min,"
+                      " eta - now(), active from mail.campaign_progress where campaign = 'lc_live'").fetchone()
+
+
+def test_user_email_history_is_every_event_of_every_email(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
+    r3, r4, r10 = handmade["r3"], handmade["r4"], handmade["r10"]
+    cols, rows = fetch(db, "select * from mail.user_email_history where user_id = 3 order by event_at, event_id")
+    assert cols == ["user_id", "send_log_id", "campaign", "kind", "email", "current_status", "scheduled_at",
+                    "minted_at", "sent_at", "released_at", "dead_lettered_at", "provider_message_id", "event_id",
+                    "event_at", "from_status", "to_status", "attempt", "event_error", "dag_id", "run_id", "task_id"]
+    head3 = (3, r3.id, "lc_a", "lifecycle", "user3@example.com", "failed", None, at(10, 1), None, at(10, 1, 5),
+             at(11, 2), None)
+    head4 = (3, r4.id, "lc_a", "lifecycle", "user3@example.com", "sent", None, at(11, 1), at(11, 1, 1), None, None,
+             r4.pid)
+    assert [r[:12] + r[13:] for r in rows] == [
+        head3 + (at(10, 1), None, "sending", 1, None, None, None, None),
+        head3 + (at(10, 1, 5), "sending", "failed", 1, "HTTP 500", None, None, None),
+        head4 + (at(11, 1), None, "sending", 1, None, None, None, None),
+        head4 + (at(11, 1, 1), "sending", "sent", 1, None, None, None, None),
+        head3 + (at(11, 2), "failed", "failed", 1, "dead-lettered: HTTP 500", None, None, None),
+    ]
+    assert sorted(r[12] for r in rows) == [r[0] for r in db.execute(
+        "select id from mail.send_event where send_log_id in (%s, %s) order by id", (r3.id, r4.id))]
+    # an email without events appears once, with empty event columns
+    assert db.execute("select send_log_id, current_status, event_id, event_at, to_status"
+                      " from mail.user_email_history where user_id = 9").fetchall() == [(r10.id, "sent", None, None, None)]
+
+
+def test_email_status_is_one_row_per_email(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
+    cols, rows = fetch(db, "select * from mail.email_status order by send_log_id")
+    assert cols == ["send_log_id", "campaign", "kind", "user_id", "email", "status", "rolled_back", "dead_lettered",
+                    "attempts", "error", "scheduled_at", "minted_at", "claimed_at", "sent_at", "released_at",
+                    "dead_lettered_at", "provider_message_id", "dag_id", "run_id", "task_id", "data_interval_start",
+                    "data_interval_end"]
+    assert rows == [
+        (p.id, p.campaign, p.kind, p.user_id, p.email, p.status, p.released is not None, p.dead is not None,
+         p.attempts, p.error, p.scheduled, p.minted, p.claimed, p.sent, p.released, p.dead, p.pid, None, None, None,
+         None, None)
+        for p in sorted(handmade.values(), key=lambda p: p.id)]
+    assert db.execute("select send_log_id from mail.email_status where rolled_back").fetchall() == [(handmade["r3"].id,)]
+    assert db.execute("select send_log_id from mail.email_status where dead_lettered order by 1").fetchall() == [
+        (handmade["r3"].id,), (handmade["r9"].id,)]
+
+
+# -- the read-only role ----------------------------------------------------------------------------
+
+def mail_relations(db: psycopg.Connection) -> list[tuple[str, str]]:
+    """``(name, relkind)`` of every table and view of schema mail."""
+    return [(r[0], r[1]) for r in db.execute(
+        "select c.relname, c.relkind::text from pg_class c join pg_namespace n on n.oid = c.relnamespace"
+        " where n.nspname = 'mail' and c.relkind in ('r', 'v', 'm', 'p') order by c.relname").fetchall()]
+
+
+def as_analyst(db: psycopg.Connection, sql: str) -> list[tuple[Any, ...]]:
+    with db.transaction():
+        db.execute("set local role mail_analyst")
+        return db.execute(sql).fetchall()
+
+
+def denied(db: psycopg.Connection, sql: str) -> str:
+    with pytest.raises(errors.InsufficientPrivilege) as exc:
+        as_analyst(db, sql)
+    return str(exc.value).splitlines()[0]
+
+
+def test_mail_analyst_reads_everything_in_mail_and_nothing_else(db: psycopg.Connection,
+                                                                handmade: dict[str, Put]) -> None:
+    role = db.execute("select rolcanlogin, rolsuper, rolcreatedb, rolcreaterole, rolinherit, rolbypassrls"
+                      " from pg_roles where rolname = 'mail_analyst'").fetchone()
+    assert role == (False, False, False, False, True, False)
+    relations = mail_relations(db)
+    assert {r for r, k in relations if k == "v"} == set(VIEWS)
+    for name, _ in relations:
+        if name == "send_batch":
+            continue
+        as_analyst(db, f"select * from mail.{name} limit 1")
+    assert as_analyst(db, "select count(*) from mail.send_log") == [(len(handmade),)]
+    assert as_analyst(db, "select sent from mail.campaign_progress where campaign = 'lc_a'") == [(2,)]
+    # send_batch: everything but the rendered bodies (signed unsubscribe links)
+    as_analyst(db, "select idempotency_key, campaign, email_count, created_at from mail.send_batch")
+    assert denied(db, "select body from mail.send_batch") == "permission denied for table send_batch"
+    # privileges in the catalog: SELECT only, on every table and view (send_batch: by column)
+    privs = db.execute(
+        "select c.relname, a.privilege_type from pg_class c join pg_namespace n on n.oid = c.relnamespace,"
+        " aclexplode(c.relacl) as a where n.nspname = 'mail' and a.grantee = 'mail_analyst'::regrole").fetchall()
+    assert {p for _, p in privs} == {"SELECT"}
+    assert {r for r, _ in privs} == {r for r, _ in relations} - {"send_batch"}
+
+
+def test_mail_analyst_cannot_write_or_create(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
+    assert denied(db, "insert into mail.send_log (user_id, campaign, email) values (1, 'x', 'x@example.com')") == (
+        "permission denied for table send_log")
+    assert denied(db, "update mail.send_log set status = 'sent'") == "permission denied for table send_log"
+    assert denied(db, "delete from mail.send_event") == "permission denied for table send_event"
+    assert denied(db, "update mail.suppression set reason = 'x'") == "permission denied for table suppression"
+    assert denied(db, "insert into mail.campaign (name) values ('x')") == "permission denied for table campaign"
+    assert denied(db, "truncate mail.send_log") == "permission denied for table send_log"
+    assert denied(db, "delete from mail.email_status") == "permission denied for view email_status"
+    assert denied(db, "create table mail.analyst_scratch (id int)") == "permission denied for schema mail"
+    assert denied(db, "create view mail.analyst_view as select 1 as one") == "permission denied for schema mail"
+    assert denied(db, "create table public.analyst_scratch (id int)") == "permission denied for schema public"
+    assert denied(db, "select count(*) from app.users") == "permission denied for schema app"
+    assert db.execute("select count(*) from mail.send_log").fetchone() == (len(handmade),)
+
+
+# -- comments ----------------------------------------------------------------------------------------
+
+def test_every_table_view_and_column_of_mail_has_a_comment(db: psycopg.Connection) -> None:
+    missing_tables = db.execute(
+        "select c.relname from pg_class c join pg_namespace n on n.oid = c.relnamespace"
+        " left join pg_description d on d.objoid = c.oid and d.classoid = 'pg_class'::regclass and d.objsubid = 0"
+        " where n.nspname = 'mail' and c.relkind in ('r', 'v', 'm', 'p') and coalesce(trim(d.description), '') = ''"
+        " order by 1").fetchall()
+    missing_columns = db.execute(
+        "select c.relname || '.' || a.attname from pg_attribute a join pg_class c on c.oid = a.attrelid"
+        " join pg_namespace n on n.oid = c.relnamespace"
+        " left join pg_description d on d.objoid = c.oid and d.classoid = 'pg_class'::regclass"
+        "  and d.objsubid = a.attnum"
+        " where n.nspname = 'mail' and c.relkind in ('r', 'v', 'm', 'p') and a.attnum > 0 and not a.attisdropped"
+        " and coalesce(trim(d.description), '') = '' order by 1").fetchall()
+    assert missing_tables == []
+    assert missing_columns == []
+    n = db.execute("select count(*) from pg_attribute a join pg_class c on c.oid = a.attrelid join pg_namespace s"
+                   " on s.oid = c.relnamespace where s.nspname = 'mail' and c.relkind in ('r', 'v') and a.attnum > 0"
+                   " and not a.attisdropped").fetchone()
+    assert n is not None and n[0] > 150  # the check above did look at the columns
+    assert db.execute("select obj_description('mail'::regnamespace, 'pg_namespace') <> ''").fetchone() == (True,)
+
+
+# -- the ten questions of docs/send_log.md, against the demo data -----------------------------------
+
+FP_CAMPAIGN = "first_practice"
+
+
+@dataclass
+class Demo:
+    dsn: str
+    end: datetime
+    run_id: str
+    summaries: dict[str, Any]
+    outbox: list[dict[str, Any]]
+    planted: dict[str, Put]
+    fp_audience: list[tuple[int, str]]
+    ran_at: float
+    conn: psycopg.Connection
+
+    def delivered(self) -> Counter[tuple[str, str]]:
+        """``(campaign, address)`` of every email the emulator accepted."""
+        return Counter((e["headers"]["X-Mailflow-Campaign"], e["to"][0]) for e in self.outbox)
+
+
+def plant_demo_rows(conn: psycopg.Connection, fp: list[tuple[int, str]], end: datetime) -> dict[str, Put]:
+    """Rows that exist before the run, for seven users of first_practice's audience. d(n, h) is hour
+    h of the UTC day n days before the run's day, so every planted event has an unambiguous day."""
+    day0 = datetime(end.year, end.month, end.day, tzinfo=UTC)
+
+    def d(days: int, hour: int = 12, minute: int = 0) -> datetime:
+        return day0 - timedelta(days=days) + timedelta(hours=hour, minutes=minute)
+
+    s, f = "sending", "failed"
+    u = [uid for uid, _ in fp[:7]]
+    address = dict(fp)
+    spec = {
+        # blocks first_practice by cooldown: sent 2 and 3 days ago, a live claim, a pending scheduled email
+        "u1": Put(u[0], "practice_tips", "sent", d(2, 11, 59), claimed=d(2, 11, 59), sent=d(2),
+                  events=[(None, s, d(2, 11, 59), None), (s, "sent", d(2), None)]),
+        "u2": Put(u[1], "upgrade_offer", "sent", d(3, 11, 59), claimed=d(3, 11, 59), sent=d(3),
+                  events=[(None, s, d(3, 11, 59), None), (s, "sent", d(3), None)]),
+        "u4": Put(u[3], "finish_assessment", s, d(1, 8), claimed=d(1, 8), error="read timeout",
+                  events=[(None, s, d(1, 8), None), (s, s, d(1, 8, 1), "read timeout")]),
+        "u6": Put(u[5], "spring_sale", "pending", d(4), kind="scheduled", scheduled=d(-2), attempts=0,
+                  events=[(None, "pending", d(4), None)]),
+        # does not block: sent 8 days ago, a rejected email, a rolled-back dead-lettered attempt
+        "u3": Put(u[2], "practice_tips", "sent", d(8, 11, 59), claimed=d(8, 11, 59), sent=d(8),
+                  events=[(None, s, d(8, 11, 59), None), (s, "sent", d(8), None)]),
+        "u5": Put(u[4], "practice_tips", f, d(1), claimed=d(1), error="planted: mailbox full",
+                  events=[(None, s, d(1), None), (s, f, d(1, 12, 1), "planted: mailbox full")]),
+        "u7": Put(u[6], "finish_assessment", f, d(5), claimed=d(5), released=d(5, 12, 1), dead=d(2, 3),
+                  error="planted: HTTP 500 (attempts exhausted)",
+                  events=[(None, s, d(5), None), (s, f, d(5, 12, 1), "planted: HTTP 500"),
+                          (f, f, d(2, 3), "dead-lettered")]),
+    }
+    for p in spec.values():
+        p.address = address[p.user_id]
+        put(conn, p)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def demo(pg_admin_dsn: str, emulator_process: EmulatorProcess) -> Iterator[Demo]:
+    """A database of its own: 5,000 demo users (seed 42, anchored at the current hour), the planted
+    rows, then one real lifecycle run (all four campaigns) for the hour that just ended."""
+    name = f"mailflow_analytics_{uuid.uuid4().hex[:8]}"
+    dsn = devenv.create_database(pg_admin_dsn, name, exist_ok=False)
+    end = current_hour()
+    run = lifecycle_run_context(end)
+    emulator_process.reset()
+    conn = psycopg.connect(dsn, autocommit=True)
+    try:
+        migrate(conn)
+        load_demo_data(conn, users=5000, seed=42, anchor=end)
+        [fp_campaign] = load_campaigns(only=[FP_CAMPAIGN])
+        fp = raw_audience(conn, fp_campaign, end)
+        assert len(fp) >= 20, "the demo's first_practice audience is too small for this test"
+        planted = plant_demo_rows(conn, fp, end)
+        summaries = {s.campaign: s for s in run_lifecycle_once(dsn, emulator_process, end, run)}
+        ran_at = time.monotonic()
+        outbox = emulator_process.read_outbox()
+        yield Demo(dsn=dsn, end=end, run_id=str(run.run_id), summaries=summaries, outbox=outbox, planted=planted,
+                   fp_audience=fp, ran_at=ran_at, conn=conn)
+    finally:
+        conn.close()
+        devenv.drop_database(pg_admin_dsn, name)
+
+
+def ask(demo: Demo, n: int, **params: Any) -> list[tuple[Any, ...]]:
+    """Question n of the doc, as mail_analyst (Q3 reads the app schema: as the owner)."""
+    return run_doc_query(demo.conn, n, role=None if n == 3 else "mail_analyst", **params)[1]
+
+
+def test_the_doc_has_ten_questions_each_with_sql() -> None:
+    questions = doc_questions()
+    assert sorted(questions) == list(range(1, 11))
+    assert all(sql.lstrip().lower().startswith(("select", "with")) for _, _, sql in questions.values())
+
+
+def test_the_run_itself(demo: Demo) -> None:
+    s = demo.summaries
+    assert sum(x.sent for x in s.values()) == len(demo.outbox) > 1000
+    assert sum(x.failed for x in s.values()) > 0  # the demo's malformed addresses
+    assert all(x.released == x.unknown == 0 for x in s.values())
+
+
+def test_q1_who_got_which_campaign_on_a_day(demo: Demo) -> None:
+    rows = ask(demo, 1, day=demo.end.date().isoformat())
+    assert Counter((r[1], r[3]) for r in rows) == demo.delivered()
+    assert len(rows) == len(demo.outbox)
+    assert [r[0] for r in rows] == sorted(r[0] for r in rows)
+    u1 = demo.planted["u1"]
+    assert ask(demo, 1, day=u1.sent.date().isoformat()) == [(u1.sent, "practice_tips", u1.user_id,  # type: ignore[union-attr]
+                                                               dict(demo.fp_audience)[u1.user_id])]
+
+
+def test_q2_failure_reasons(demo: Demo) -> None:
+    since = (demo.end - timedelta(days=6)).date().isoformat()
+    rows = ask(demo, 2, since=since)
+    expected = {(c, "rejected by the provider", f"Invalid `to` field. The email address {ADDRESS_FORMAT}", s.failed)
+                for c, s in demo.summaries.items() if s.failed}
+    expected |= {("practice_tips", "rejected by the provider", "planted: mailbox full", 1),
+                 ("finish_assessment", "dead letter", "planted: HTTP 500 (attempts exhausted)", 1)}
+    assert set(rows) == expected and len(rows) == len(expected)
+    assert [r[3] for r in rows] == sorted((r[3] for r in rows), reverse=True)
+    # the dead letter was minted 5 days before the run's day: outside a 4-day window
+    assert ("finish_assessment", "dead letter") not in {
+        (r[0], r[1]) for r in ask(demo, 2, since=(demo.end - timedelta(days=4)).date().isoformat())}
+
+
+def test_q3_users_excluded_by_cooldown_in_the_run(demo: Demo) -> None:
+    assert ask(demo, 3, run_id=demo.run_id) == [(4,)]  # u1, u2 (sent 2 and 3 days ago), u4 (sending), u6 (pending)
+    # the engine agrees: first_practice's eligible audience is its raw audience minus exactly those four
+    # (no suppressions in the demo; finish_assessment's audience never overlaps first_practice's)
+    assert demo.summaries[FP_CAMPAIGN].eligible == len(demo.fp_audience) - 4
+    minted = {r[0] for r in demo.conn.execute(
+        "select user_id from mail.send_log where run_id = %s and campaign = %s", (demo.run_id, FP_CAMPAIGN))}
+    planted = {k: p.user_id for k, p in demo.planted.items()}
+    assert {planted[k] for k in ("u1", "u2", "u4", "u6")} & minted == set()
+    assert {planted[k] for k in ("u3", "u5", "u7")} <= minted
+    # a cooldown of 2 days lets the user emailed 3 days ago through: 3
+    assert ask(demo, 3, run_id=demo.run_id, cooldown="2 days") == [(3,)]
+
+
+def test_q4_what_one_run_did(demo: Demo) -> None:
+    rows = ask(demo, 4, run_id=demo.run_id)
+    assert [r[:6] for r in rows] == [(c, s.minted, s.sent, s.failed, 0, 0)
+                                      for c, s in sorted(demo.summaries.items()) if s.minted]
+    assert all(r[6] is not None and r[7] is not None and r[6] <= r[7] for r in rows)
+    assert ask(demo, 4, run_id="no such run") == []
+
+
+def test_q5_a_campaign_day_by_day(demo: Demo) -> None:
+    s = demo.summaries["practice_tips"]
+    p = demo.planted
+    day = demo.end.date()
+    rows = ask(demo, 5, campaign="practice_tips", since=(demo.end - timedelta(days=9)).date().isoformat())
+    assert rows == sorted([
+        (p["u3"].minted.date(), "UTC", 1, 1, 0, 0, 0, 0, 1),
+        (p["u1"].minted.date(), "UTC", 1, 1, 0, 0, 0, 0, 1),
+        (p["u5"].minted.date(), "UTC", 1, 0, 1, 0, 0, 0, 1),
+        (day, "UTC", s.minted, s.sent, s.failed, 0, 0, 0, s.minted),
+    ])
+    assert ask(demo, 5, campaign="practice_tips", since=day.isoformat()) == rows[-1:]
+
+
+def test_q6_campaign_progress(demo: Demo) -> None:
+    s = demo.summaries["practice_tips"]
+    [row] = ask(demo, 6, campaign="practice_tips")
+    assert row[:12] == ("practice_tips", "lifecycle", None, s.minted + 3, 0, 0, s.sent + 2, s.failed + 1, 0, 0, 0,
+                        Decimal("100.0"))
+    assert row[13:] == (None, False)
+    if time.monotonic() - demo.ran_at < 240:  # the run's sends are still inside the 5-minute rate window
+        assert row[12] > 0
+    [fa] = ask(demo, 6, campaign="finish_assessment")
+    f = demo.summaries["finish_assessment"]
+    # the stuck claim (u4) is open: active, 1 sending; the dead-lettered attempt (u7) is rolled back
+    assert fa[3:11] == (f.minted + 1, 0, 1, f.sent, f.failed, 0, 1, 1)
+    assert fa[14] is True
+
+
+def test_q7_one_users_history(demo: Demo) -> None:
+    u3 = demo.planted["u3"]
+    rows = ask(demo, 7, user_id=u3.user_id)
+    address = dict(demo.fp_audience)[u3.user_id]
+    assert [(r[1], r[2], r[3], r[4], r[7]) for r in rows] == [
+        ("practice_tips", address, None, "sending", "sent"),
+        ("practice_tips", address, "sending", "sent", "sent"),
+        (FP_CAMPAIGN, address, None, "sending", "sent"),
+        (FP_CAMPAIGN, address, "sending", "sent", "sent"),
+    ]
+    assert rows[0][0] == u3.minted and rows[1][0] == u3.sent
+    assert rows[3][8] is not None and rows[3][9] == demo.run_id
+    assert (FP_CAMPAIGN, address) in demo.delivered()
+    # a demo user with a malformed address: minted, then rejected with the provider's message
+    malformed = demo.conn.execute(
+        "select user_id from mail.send_log where status = 'failed' and run_id = %s and user_id <> all(%s)"
+        " order by user_id limit 1", (demo.run_id, [p.user_id for p in demo.planted.values()])).fetchone()
+    assert malformed is not None
+    rows = ask(demo, 7, user_id=malformed[0])
+    assert [(r[3], r[4], r[6], r[7]) for r in rows] == [
+        (None, "sending", None, "failed"),
+        ("sending", "failed", f"Invalid `to` field. The email address {ADDRESS_FORMAT}", "failed")]
+
+
+def test_q8_dead_letters(demo: Demo) -> None:
+    u7 = demo.planted["u7"]
+    assert ask(demo, 8) == [(u7.id, "finish_assessment", u7.user_id, dict(demo.fp_audience)[u7.user_id], 1,
+                             "planted: HTTP 500 (attempts exhausted)", u7.dead)]
+
+
+def test_q9_emails_stuck_in_flight(demo: Demo) -> None:
+    u4 = demo.planted["u4"]
+    [row] = ask(demo, 9)
+    assert (row[0], row[1], row[2], row[3], row[4], row[6]) == (
+        u4.id, "finish_assessment", u4.user_id, 1, u4.claimed, "read timeout")
+    assert row[5] > timedelta(hours=1)
+    assert ask(demo, 9, stale="3 days") == []
+
+
+def test_q10_emails_per_user_in_30_days(demo: Demo) -> None:
+    per_address = Counter(a for _, a in demo.delivered().elements())
+    for k in ("u1", "u2", "u3"):  # planted sent emails within 30 days
+        per_address[dict(demo.fp_audience)[demo.planted[k].user_id]] += 1
+    expected = sorted(Counter(per_address.values()).items())
+    assert ask(demo, 10) == expected
+    assert expected[-1] == (2, 1)  # u3: emailed 8 days ago (outside the cooldown) and again by the run
+    recent = Counter(a for _, a in demo.delivered().elements())
+    recent.update(dict(demo.fp_audience)[demo.planted[k].user_id] for k in ("u1", "u2"))  # u3: 8 days ago
+    assert ask(demo, 10, days="5") == sorted(Counter(recent.values()).items())
