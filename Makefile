@@ -17,8 +17,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed  ## create .venv with the pinned requirements and the package (editable)
 
-demo: venv       ## embedded Postgres + emulator + demo data + `airflow dags test lifecycle_emails`
-	$(PY) scripts/demo.py
+demo: venv       ## embedded Postgres + emulator + demo data + `airflow dags test lifecycle_emails` (DEMO_ARGS="--reset --users N --seed N --keep-db")
+	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 test: venv       ## the whole suite (embedded Postgres, or TEST_DATABASE_URL when set)
 	$(PY) -m pytest
@@ -43,7 +43,7 @@ stop: venv       ## stop the embedded PostgreSQL servers the demo and tests star
 	$(PY) -c "from mailflow import devenv; from pathlib import Path; [print(p, devenv.stop_embedded(Path(p))) for p in ('.demo/pgdata', '.demo/pgdata-test')]"
 
 emulator: venv   ## run the Resend-compatible emulator in the foreground on port 8025
-	$(PY) -m mailflow.emulator --port 8025 --outbox .demo/outbox.jsonl --control
+	$(PY) -m mailflow.emulator --port 8025 --outbox .demo/emulator-outbox.jsonl --control
 
 clean: stop      ## remove the demo state (.demo: embedded database, outbox, Airflow home)
 	rm -rf .demo

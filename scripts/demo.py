@@ -82,14 +82,22 @@ def main() -> int:
     p.add_argument("--users", type=int, default=5000)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--keep-db", action="store_true", help="leave the embedded PostgreSQL running")
+    p.add_argument("--reset", action="store_true", help="reload the demo users (the send log is kept)")
     args = p.parse_args()
     STATE.mkdir(exist_ok=True)
     started = time.monotonic()
 
     external = os.environ.get("AIRFLOW_CONN_SEND_LOG_DB")
     if external:
-        dsn = devenv.dsn_from_airflow_conn(external)
-        print(f"send log: the database of AIRFLOW_CONN_SEND_LOG_DB ({psycopg.conninfo.conninfo_to_dict(dsn).get('dbname')})")
+        try:
+            dsn = devenv.dsn_from_airflow_conn(external)
+            dbname = psycopg.conninfo.conninfo_to_dict(dsn).get("dbname")
+            psycopg.connect(dsn, connect_timeout=10).close()
+        except (psycopg.Error, ValueError) as exc:
+            raise SystemExit(f"AIRFLOW_CONN_SEND_LOG_DB is set but unusable ({type(exc).__name__}: "
+                             f"{str(exc).strip()}). Expected a postgresql:// URI or Airflow connection JSON "
+                             "of a reachable database; unset it to use the embedded PostgreSQL.") from None
+        print(f"send log: the database of AIRFLOW_CONN_SEND_LOG_DB ({dbname})")
     else:
         dsn = devenv.create_database(devenv.embedded_dsn(), "mailflow_demo")
         print(f"send log: embedded PostgreSQL in {STATE / 'pgdata'}, database mailflow_demo")
@@ -102,7 +110,7 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             applied = migrate(conn)
             print("migrations: " + (", ".join(applied) if applied else "up to date"))
-            loaded = load_demo_data(conn, users=args.users, seed=args.seed, anchor=end)
+            loaded = load_demo_data(conn, users=args.users, seed=args.seed, anchor=end, reset=args.reset)
             print(f"demo data: {loaded}")
             before = conn.execute("select count(*) from mail.send_log where status = 'sent'").fetchone()[0]
 
@@ -135,6 +143,9 @@ def main() -> int:
             print("audit (send log vs outbox): " + ", ".join(f"{k}={v}" for k, v in result.items()))
             print(f"outbox: {outbox}   query the send log: make psql")
             bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
+            if bad:
+                print(f"AUDIT FAILED: {bad}: the outbox {outbox} holds emails the send log does not explain "
+                      "(was another emulator writing to it?)", file=sys.stderr)
     finally:
         if not external and not args.keep_db:
             devenv.stop_embedded()

@@ -161,7 +161,8 @@ def run_chaos(dsn: str, *, kills: int = 200, users: int = 5000, seed: int = 7, c
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
         load_demo_data(conn, users=users, seed=seed, anchor=ANCHOR)
-    outbox = Path(mkdtemp(prefix="mailflow-chaos-")) / "outbox.jsonl"
+    workdir = Path(mkdtemp(prefix="mailflow-chaos-"))
+    outbox = workdir / "outbox.jsonl"
     report: dict[str, Any] = {"kills_requested": kills, "kills": 0, "kills_by_point": dict.fromkeys(KILL_POINTS, 0),
                               "completed_runs": 0, "failed_runs": 0}
     with EmulatorProcess(outbox=outbox, rate_limit=0, seed=seed, latency_ms=15, latency_jitter_ms=30,
@@ -218,6 +219,9 @@ def run_chaos(dsn: str, *, kills: int = 200, users: int = 5000, seed: int = 7, c
     }
     report["delivered"] = inv["delivered"]
     report["seconds"] = round(time.monotonic() - t0, 1)
+    import shutil
+
+    shutil.rmtree(workdir, ignore_errors=True)
     return report
 
 
@@ -233,13 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from mailflow import devenv
 
-    admin = args.dsn or devenv.embedded_dsn(devenv.STATE / "pgdata-test")
+    pgdata = devenv.STATE / "pgdata-test"
+    started = not args.dsn and not devenv.embedded_running(pgdata)
+    admin = args.dsn or devenv.embedded_dsn(pgdata)
     name = f"mailflow_chaos_{os.getpid()}"
     dsn = devenv.create_database(admin, name, exist_ok=False)
     try:
         report = run_chaos(dsn, kills=args.kills, users=args.users, seed=args.seed)
     finally:
         devenv.drop_database(admin, name)
+        if started:
+            devenv.stop_embedded(pgdata)
     print(json.dumps(report, indent=2))
     bad = {k: v for k, v in report["invariants"].items() if v}
     print("invariants: " + ("ALL 0" if not bad else f"VIOLATED {bad}"))

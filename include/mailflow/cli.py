@@ -1,6 +1,6 @@
 """``mailflow`` command line: migrate, report, audit (send log vs. the emulator outbox).
 
-Usage::
+Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
 
     mailflow migrate --dsn postgresql://...
     mailflow report  --dsn ...                 # per-campaign counts by state
@@ -40,15 +40,15 @@ def audit(conn: psycopg.Connection, outbox: Path) -> dict[str, int]:
     """Compare the send log with the provider's outbox (the witness of what was delivered).
 
     Each outbox line carries the ``X-Mailflow-Send-Id`` header of the row it came from.
+    :raises FileNotFoundError: if ``outbox`` does not exist.
     :returns: counts that must all be 0 except ``delivered`` and ``sent_rows``:
         ``duplicate_deliveries`` (same user+campaign delivered more than once),
         ``sent_without_delivery`` (sent rows with no outbox email), ``delivered_without_sent``
         (outbox emails whose row is not sent), ``provider_id_mismatch`` (row's provider id differs).
     """
     delivered: list[dict[str, Any]] = []
-    if outbox.exists():
-        with outbox.open(encoding="utf-8") as fh:
-            delivered = [json.loads(line) for line in fh if line.strip()]
+    with outbox.open(encoding="utf-8") as fh:  # a missing outbox is an error, not an empty one
+        delivered = [json.loads(line) for line in fh if line.strip()]
     rows = {r[0]: r for r in conn.execute(
         "select id, user_id, campaign, status, provider_message_id from mail.send_log").fetchall()}
     by_row: Counter[int] = Counter()
@@ -79,28 +79,48 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mailflow`` command."""
     p = argparse.ArgumentParser(prog="mailflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dsn", default=os.environ.get("MAILFLOW_DSN"), help="send-log database (or MAILFLOW_DSN)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dsn", default=argparse.SUPPRESS, help="send-log database (or MAILFLOW_DSN)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("migrate", help="apply pending migrations")
-    sub.add_parser("report", help="per-campaign counts by state")
-    a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation")
+    sub.add_parser("migrate", help="apply pending migrations", parents=[common])
+    sub.add_parser("report", help="per-campaign counts by state", parents=[common])
+    a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
+                       parents=[common])
     a.add_argument("--outbox", type=Path, required=True)
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
-    with psycopg.connect(args.dsn, autocommit=True) as conn:
-        if args.cmd == "migrate":
-            from mailflow.migrate import migrate
+    try:
+        conn = psycopg.connect(args.dsn, autocommit=True)
+    except psycopg.Error as exc:
+        print(f"error: cannot connect to the send-log database: {exc}".strip(), file=sys.stderr)
+        return 2
+    try:
+        with conn:
+            return _run(args, conn)
+    except psycopg.errors.UndefinedTable as exc:
+        print(f"error: {str(exc).splitlines()[0]}: run `mailflow migrate` first", file=sys.stderr)
+        return 2
 
-            applied = migrate(conn)
-            print("applied: " + ", ".join(applied) if applied else "schema up to date")
-        elif args.cmd == "report":
-            head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
-            print_table(head, report(conn))
-        else:
-            result = audit(conn, args.outbox)
-            print(json.dumps(result, indent=2))
-            bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
-            return 1 if bad else 0
+
+def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
+    if args.cmd == "migrate":
+        from mailflow.migrate import migrate
+
+        applied = migrate(conn)
+        print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    elif args.cmd == "report":
+        head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
+        print_table(head, report(conn))
+    else:
+        if not args.outbox.is_file():
+            print(f"error: outbox file {args.outbox} not found", file=sys.stderr)
+            return 2
+        result = audit(conn, args.outbox)
+        print(json.dumps(result, indent=2))
+        bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
+        return 1 if bad else 0
+    return 0
     return 0
 
 

@@ -971,20 +971,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dsn", default=os.environ.get("MAILFLOW_DSN"), help="send-log database (or MAILFLOW_DSN)")
     p.add_argument("--actor", default=os.environ.get("USER"), help="recorded on campaign events")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("create", help="create a draft campaign from a TOML/JSON spec")
+    c = sub.add_parser("create", help="create a draft campaign from a TOML/JSON spec (keys: see docs/operations.md)")
     c.add_argument("spec", type=Path)
     pr = sub.add_parser("provision", help="create the campaign's planned rows (or --dry-run)")
     pr.add_argument("campaign")
     pr.add_argument("--dry-run", action="store_true")
     pr.add_argument("--chunk", type=int, default=5000)
     for name in ("cancel", "pause", "resume", "status"):
-        sub.add_parser(name, help=f"{name} a campaign").add_argument("campaign")
+        sub.add_parser(name, help=f"{'show' if name == 'status' else name} a campaign").add_argument("campaign")
     sub.add_parser("complete", help="complete every finished campaign")
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
     from mailflow.migrate import migrate
 
+    try:
+        out = _run_command(args, migrate)
+    except (FileNotFoundError, ValueError, LookupError, CampaignStateError, psycopg.Error) as exc:
+        print(f"error: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr)
+        if isinstance(exc, psycopg.OperationalError):
+            print("hint: is the database running? (the demo's embedded server: make psql / make demo)", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2, default=_json_default))
+    return 0
+
+
+def _run_command(args: argparse.Namespace, migrate: Any) -> Any:
     with psycopg.connect(args.dsn) as conn:
         migrate(conn)
         out: Any
@@ -1006,8 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = resume(conn, cid, actor=args.actor)
             else:
                 out = status(conn, cid)
-    print(json.dumps(out, indent=2, default=_json_default))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

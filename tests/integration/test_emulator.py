@@ -368,3 +368,11 @@ def test_startup_appends_to_an_existing_outbox(tmp_path) -> None:
     assert run_in_process(EmulatorConfig(outbox=str(outbox)), calls) == 200
     lines = [json.loads(line) for line in outbox.read_text().splitlines()]
     assert len(lines) == 2 and lines[0] == {"id": "from-an-earlier-run"} and lines[1]["to"] == ["user0@example.com"]
+
+
+def test_absurd_nesting_and_oversized_bodies_are_client_errors(client) -> None:
+    deep = client.post("/emails/batch", content=b"[" * 100_000, headers={"Content-Type": "application/json"})
+    assert (deep.status_code, deep.json()["name"]) == (422, "validation_error")
+    big = client.post("/emails", content=b" " * (40 * 1024 * 1024 + 1), headers={"Content-Type": "application/json"})
+    assert big.status_code == 413
+    assert big.json()["message"] == f"The request body is {40 * 1024 * 1024 + 1} bytes; the limit is {40 * 1024 * 1024} bytes."

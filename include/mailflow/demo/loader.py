@@ -217,7 +217,7 @@ def load_demo_data(
                     elapsed_s=time.perf_counter() - started,
                     message=(
                         f"app.users already has {n_users} rows: nothing loaded "
-                        f"(pass reset=True / --reset to reload)"
+                        f"(pass reset=True, or --reset to make demo / python -m mailflow.demo, to reload)"
                     ),
                 )
 

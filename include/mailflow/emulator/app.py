@@ -38,6 +38,7 @@ log = logging.getLogger("mailflow.emulator")
 ADDRESS_FORMAT = "needs to follow the `email@example.com` or `Name <email@example.com>` format."
 MAX_BATCH = 100  # contract "POST /emails/batch": 1 to 100 emails
 MAX_RECIPIENTS = 50  # spec SendEmailRequest.to: max 50
+MAX_BODY_BYTES = 40 * 1024 * 1024  # Resend: an email may be up to 40 MB including attachments
 MAX_IDEMPOTENCY_KEY = 256  # contract "Idempotency-Key": 1 to 256 characters
 _TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # spec Tag.name / Tag.value
 _TEST_DOMAIN_EVENTS = {"bounced": "bounced", "complained": "complained", "delivered": "delivered"}
@@ -378,6 +379,9 @@ class Emulator:
             raise ApiError(400, "invalid_idempotency_key",
                            f"The key must be between 1-{MAX_IDEMPOTENCY_KEY} characters.")
         body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, "validation_error",
+                           f"The request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES} bytes.")
         digest = hashlib.sha256(request.url.path.encode() + b"\0" + body).hexdigest()
         slot = (key, idem) if idem is not None else None
         if slot is not None:
@@ -431,7 +435,7 @@ class Emulator:
         """Validate, apply the quota, write the outbox and store the emails. No await inside."""
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
             raise ApiError(422, "validation_error", "The request body is not valid JSON.") from None
         errors: list[dict[str, Any]] = []
         permissive = False
