@@ -17,13 +17,15 @@ where not exists (select 1 from mail.send_log d
                   where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
   and (select count(*) from mail.send_log r
        where r.user_id = a.user_id and r.campaign = %(campaign)s and r.released_at is not null) < %(max_attempts)s
+  -- (two probes, each a plain index condition on send_log_cooldown_idx: measurably faster at 1M
+  -- users than one probe with a CASE; see docs/performance.md)
+  and not exists (select 1 from mail.send_log c
+                  where c.user_id = a.user_id and c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
   and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id
-                    and c.status in ('pending', 'sending', 'sent')
-                    and case c.status
-                          when 'sent' then c.sent_at >= %(cooldown_since)s
-                          when 'pending' then coalesce(c.scheduled_at, c.minted_at) < %(cooldown_until)s
-                          else true end)
+                    and (c.status = 'sending'
+                         or (c.status = 'pending'
+                             and coalesce(c.scheduled_at, c.minted_at) < %(cooldown_until)s)))
   and not exists (select 1 from mail.suppression s
                   where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
   and not exists (select 1 from mail.suppression s
