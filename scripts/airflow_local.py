@@ -34,16 +34,11 @@ import httpx
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL
 
+from mailflow.emulator.testing import free_port  # noqa: F401  (re-exported for the e2e tier)
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 TERMINAL = {"success", "failed"}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_hostname() -> str:

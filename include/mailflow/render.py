@@ -47,6 +47,14 @@ def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
     )
 
 
+def subject_template(text: str) -> jinja2.Template:
+    """A campaign's subject line as a Jinja2 template (plain text: no autoescape; strict undefined).
+
+    :raises jinja2.TemplateSyntaxError: if ``text`` is not a valid template.
+    """
+    return jinja2.Environment(autoescape=False, undefined=jinja2.StrictUndefined).from_string(text)
+
+
 def idempotency_key(campaign: str, row_ids: Sequence[int]) -> str:
     """Key for a batch: unique by construction (a send-log id belongs to one batch at a time) and
     derived from exactly the rows it carries, so a resend of a subset gets a new key.
@@ -103,9 +111,7 @@ class Renderer:
         }
         subject_t = self._subjects.get(campaign.name)
         if subject_t is None:
-            subject_t = self._subjects[campaign.name] = jinja2.Environment(
-                autoescape=False, undefined=jinja2.StrictUndefined
-            ).from_string(campaign.subject)
+            subject_t = self._subjects[campaign.name] = subject_template(campaign.subject)
         headers = {"X-Mailflow-Send-Id": str(row.id), "X-Mailflow-Campaign": campaign.name}
         if campaign.marketing:
             # RFC 8058 one-click: an HTTPS URI that identifies the recipient by itself (first), then

@@ -79,7 +79,7 @@ from mailflow.model import (
     Unknown,
 )
 from mailflow.planner import PlanSpec, Window, plan_send_times, summarize
-from mailflow.render import Renderer
+from mailflow.render import Renderer, subject_template
 from mailflow.sql import query
 from mailflow.store import PostgresStore
 
@@ -329,7 +329,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
                     windows=tuple(spec.get("windows", ("09:00-12:00", "14:00-17:00"))))
     _check_templates(str(spec["template"]), label)
     try:
-        jinja2.Environment(autoescape=False, undefined=jinja2.StrictUndefined).parse(str(spec["subject"]))
+        subject_template(str(spec["subject"]))
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"campaign {label!r}: subject is not a valid Jinja template: {exc}") from None
     start_at = spec.get("start_at")
@@ -479,8 +479,7 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 break
             if subject_t is None:
                 _check_templates(c["template"], c["name"])
-                subject_t = jinja2.Environment(autoescape=False, undefined=jinja2.StrictUndefined).from_string(
-                    c["subject"])
+                subject_t = subject_template(c["subject"])
             plan_start = c["plan_start"] or max(c["start_at"], now)
             source = _recipient_source(conn, c)
             after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
