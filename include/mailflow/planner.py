@@ -5,9 +5,14 @@ time over that day's local business-hour windows in the campaign's IANA timezone
 
 Rules (the single source of truth; the tests in ``tests/unit/test_planner.py`` pin them down):
 
-* **Eligible instants.** An instant is eligible on local date ``D`` iff its local wall-clock reading
-  (``instant.astimezone(zone)``) is on ``D`` and inside one of the windows (start inclusive, end
-  exclusive). Offsets are never cached: each day is split into constant-UTC-offset pieces found from
+* **Eligible instants.** An instant is eligible on plan day ``D`` iff its local wall-clock reading
+  (``instant.astimezone(zone)``) is inside one of ``D``'s windows (start inclusive, end exclusive).
+  A window belongs to the local date it starts on: ``22:00-24:00`` ends at the next midnight and
+  ``23:00-01:00`` runs from 23:00 on ``D`` to 01:00 on ``D + 1`` (its weekday is ``D``'s, its emails
+  count towards ``D``'s ``emails_per_day``). Only the last window of a day can cross midnight, and
+  its tail may not overlap the next day's first window. A plan day therefore runs from
+  ``PlanSpec.day_start`` (the end of a crossing window, else 00:00) on ``D`` to the same wall time on
+  ``D + 1`` (:func:`plan_day`). Offsets are never cached: each day is split into constant-UTC-offset pieces found from
   zoneinfo, and every window is intersected with every piece. Consequences at DST changes:
 
   - spring forward: wall times in the gap do not exist, so a bound in the gap resolves to the instant
@@ -20,7 +25,8 @@ Rules (the single source of truth; the tests in ``tests/unit/test_planner.py`` p
   (``0 <= k < N``) is the instant ``floor(k * T / N)`` (microseconds) into the day's eligible
   stretches laid end to end, so the first slot is the first eligible instant (e.g. 09:00).
 
-* **First day / floor.** Only eligible time at or after a floor counts: ``start`` on the first day,
+* **First day / floor.** Day 1 is the plan day of ``start``. Only eligible time at or after a floor
+  counts: ``start`` on the first day,
   one microsecond after the previous slot afterwards (this only bites when a local date occurs
   twice, e.g. America/Juneau in October 1867). The ``N`` slots are spread over what remains; a day with less than ``N`` microseconds of
   remaining eligible time (e.g. ``start`` after the last window) is skipped, as are days whose
@@ -35,13 +41,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["PlanSpec", "PlanSummary", "Window", "load_zone", "plan_send_times", "summarize"]
+__all__ = ["PlanSpec", "PlanSummary", "Window", "load_zone", "plan_day", "plan_send_times", "summarize"]
 
 _HOUR = timedelta(hours=1)
 _SECOND = timedelta(seconds=1)
 _MICRO = timedelta(microseconds=1)
 _MAX_OFFSET = timedelta(hours=16)  # every UTC offset in tzdata, LMT included, is within +-16h
 _MAX_EMPTY_DAYS = 800  # safety valve: no real zone has this many allowed days without window time
+_DAY = timedelta(days=1)
 _TIME = r"(\d{1,2}):(\d{2})(?::(\d{2}))?"
 _WINDOW_RE = re.compile(rf"^\s*{_TIME}\s*-\s*{_TIME}\s*$")
 
@@ -54,16 +61,24 @@ def load_zone(key: str) -> ZoneInfo:
         raise ValueError(f"unknown IANA timezone {key!r}") from None
 
 
-def _fmt(t: time) -> str:
+def _fmt(t: time, *, end: bool = False) -> str:
+    if end and t == time(0):
+        return "24:00"
     return t.strftime("%H:%M") if (t.second, t.microsecond) == (0, 0) else t.isoformat()
+
+
+def _seconds(t: time) -> timedelta:
+    return timedelta(hours=t.hour, minutes=t.minute, seconds=t.second, microseconds=t.microsecond)
 
 
 @dataclass(frozen=True, order=True)
 class Window:
-    """A local wall-clock window ``[start, end)`` within one day (naive ``datetime.time`` values).
+    """A local wall-clock window ``[start, end)`` (naive ``datetime.time`` values) that opens on a day.
 
-    ``end`` is exclusive and must be after ``start``; windows cannot cross midnight (use two windows).
-    Raises ``ValueError`` naming the window otherwise.
+    ``end`` is exclusive. ``end <= start`` means the window crosses midnight and ends on the next
+    local date: ``Window(time(22), time(0))`` is ``22:00-24:00``, ``Window(time(23), time(1))`` is
+    ``23:00-01:00`` and ``Window(time(0), time(0))`` is the whole day (``00:00-24:00``). Any other
+    ``start == end`` is refused as ambiguous. Raises ``ValueError`` naming the window.
     """
 
     start: time
@@ -74,19 +89,41 @@ class Window:
             raise ValueError(f"window bounds must be datetime.time values, got {self.start!r}-{self.end!r}")
         if self.start.tzinfo is not None or self.end.tzinfo is not None:
             raise ValueError(f"window {self} must use naive local times (the zone comes from PlanSpec)")
-        if self.start >= self.end:
-            raise ValueError(f"invalid window {self}: start must be before end (end is exclusive)")
+        if self.start == self.end and self.start != time(0):
+            raise ValueError(f"invalid window {_fmt(self.start)}-{_fmt(self.end)}: start equals end "
+                             "(for a whole day write 00:00-24:00)")
 
     def __str__(self) -> str:
-        return f"{_fmt(self.start)}-{_fmt(self.end)}"
+        return f"{_fmt(self.start)}-{_fmt(self.end, end=True)}"
+
+    @property
+    def crosses_midnight(self) -> bool:
+        """True if the window ends on the next local date (``end <= start``, incl. ``24:00``)."""
+        return self.end <= self.start
+
+    @property
+    def length(self) -> timedelta:
+        """Wall-clock length (``timedelta``, ``0 < length <= 24 h``), ignoring DST shifts."""
+        d = _seconds(self.end) - _seconds(self.start)
+        return d if d > timedelta() else d + _DAY
+
+    def bounds(self, day: date) -> tuple[datetime, datetime]:
+        """Naive local ``(start, end)`` wall-clock datetimes of this window opened on ``day``."""
+        start = datetime.combine(day, self.start)
+        return start, datetime.combine(day + _DAY if self.crosses_midnight else day, self.end)
 
     @classmethod
     def parse(cls, text: str) -> Window:
-        """Parse ``"HH:MM-HH:MM"`` (seconds optional, e.g. ``"09:00-12:00"``); raise ``ValueError``."""
+        """Parse ``"HH:MM-HH:MM"`` (seconds optional, e.g. ``"09:00-12:00"``, ``"22:00-24:00"``,
+        ``"23:00-01:00"``); raise ``ValueError``."""
         m = _WINDOW_RE.match(text)
         if not m:
             raise ValueError(f"invalid window {text!r}: expected 'HH:MM-HH:MM'")
         h1, m1, s1, h2, m2, s2 = (int(g or 0) for g in m.groups())
+        if (h2, m2, s2) == (24, 0, 0):
+            h2 = 0
+        elif (h1, m1, s1) == (h2, m2, s2):
+            raise ValueError(f"invalid window {text!r}: start equals end (for a whole day write 00:00-24:00)")
         try:
             start, end = time(h1, m1, s1), time(h2, m2, s2)
         except ValueError:
@@ -106,7 +143,9 @@ class PlanSpec:
     - ``weekdays``: allowed **ISO** weekdays, ``1 = Monday .. 7 = Sunday`` (``date.isoweekday()``),
       default Monday-Friday; at least one.
     - ``windows``: non-empty, non-overlapping ``Window`` values (``"HH:MM-HH:MM"`` strings accepted);
-      stored sorted by start. Touching windows (``09:00-12:00``, ``12:00-13:00``) are allowed.
+      stored sorted by start. Touching windows (``09:00-12:00``, ``12:00-13:00``) are allowed. The
+      last window may end at ``24:00`` or cross midnight (``23:00-01:00``); its tail on the next date
+      must not overlap that date's first window.
     """
 
     timezone: str = "Europe/Berlin"
@@ -129,8 +168,12 @@ class PlanSpec:
         if not windows:
             raise ValueError("windows must contain at least one window")
         for a, b in zip(windows, windows[1:], strict=False):
-            if b.start < a.end:
+            if _seconds(a.start) + a.length > _seconds(b.start):
                 raise ValueError(f"windows {a} and {b} overlap")
+        last, first = windows[-1], windows[0]
+        if _seconds(last.start) + last.length - _DAY > _seconds(first.start):
+            raise ValueError(f"windows {last} and {first} overlap (the first runs past midnight into the "
+                             "next day's)")
         object.__setattr__(self, "weekdays", days)
         object.__setattr__(self, "windows", windows)
 
@@ -138,6 +181,23 @@ class PlanSpec:
     def zone(self) -> ZoneInfo:
         """The ``ZoneInfo`` for ``timezone``."""
         return load_zone(self.timezone)
+
+    @property
+    def day_start(self) -> time:
+        """Local wall time at which a plan day begins: the end of a window that crosses midnight
+        (e.g. ``01:00`` for ``23:00-01:00``), else ``00:00``."""
+        last = self.windows[-1]
+        return last.end if last.crosses_midnight else time(0)
+
+
+def plan_day(spec: PlanSpec, instant: datetime) -> date:
+    """The plan day (a local date in ``spec.timezone``) that aware ``instant`` belongs to: its local
+    date, or the previous one when its wall time is before ``spec.day_start`` (the tail of a window
+    that crossed midnight). Raises ``ValueError`` for a naive ``instant``."""
+    if instant.tzinfo is None or instant.utcoffset() is None:
+        raise ValueError(f"plan_day needs an aware datetime, got naive {instant!r}")
+    local = instant.astimezone(spec.zone)
+    return local.date() - _DAY if local.time().replace(fold=0) < spec.day_start else local.date()
 
 
 def _offset(zone: ZoneInfo, instant: datetime) -> timedelta:
@@ -172,12 +232,14 @@ def _offset_pieces(
 def _day_slots(spec: PlanSpec, zone: ZoneInfo, day: date, floor: datetime) -> list[datetime]:
     """The ``emails_per_day`` UTC slots of local ``day`` at or after ``floor`` (``[]`` if no room)."""
     midnight = datetime.combine(day, time(), tzinfo=UTC)
-    lo, hi = midnight - _MAX_OFFSET, midnight + timedelta(days=1) + _MAX_OFFSET
+    lo = midnight - _MAX_OFFSET
+    hi = midnight + (2 * _DAY if spec.windows[-1].crosses_midnight else _DAY) + _MAX_OFFSET
+    bounds = [tuple(b.replace(tzinfo=UTC) for b in w.bounds(day)) for w in spec.windows]
     segments: list[tuple[datetime, datetime]] = []
     for piece_from, piece_to, off in _offset_pieces(zone, lo, hi):
-        for w in spec.windows:
-            s = max(piece_from, floor, datetime.combine(day, w.start, tzinfo=UTC) - off)
-            e = min(piece_to, datetime.combine(day, w.end, tzinfo=UTC) - off)
+        for w_start, w_end in bounds:
+            s = max(piece_from, floor, w_start - off)
+            e = min(piece_to, w_end - off)
             if s < e:
                 segments.append((s, e))
     segments.sort()
@@ -215,7 +277,7 @@ def plan_send_times(spec: PlanSpec, count: int, start: datetime) -> Iterator[dat
 
 def _generate(spec: PlanSpec, count: int, start: datetime) -> Iterator[datetime]:
     zone = spec.zone
-    day, floor, remaining, empty_days = start.astimezone(zone).date(), start, count, 0
+    day, floor, remaining, empty_days = plan_day(spec, start), start, count, 0
     while remaining > 0:
         slots = _day_slots(spec, zone, day, floor) if day.isoweekday() in spec.weekdays else []
         if slots:
@@ -246,8 +308,11 @@ class PlanSummary:
     total: int
 
 
-def summarize(times: Iterable[datetime], tz: str) -> PlanSummary:
+def summarize(times: Iterable[datetime], tz: str, *, day_start: time = time(0)) -> PlanSummary:
     """Summarize aware instants ``times`` (any iterable, consumed once) by local date in IANA zone ``tz``.
+
+    ``day_start``: local wall time a day begins at (``PlanSpec.day_start``), so emails in the tail of
+    a window that crossed midnight count towards the day the window opened on.
 
     Memory is O(number of distinct local days). Raises ``ValueError`` for an unknown zone or a naive
     datetime.
@@ -262,7 +327,8 @@ def summarize(times: Iterable[datetime], tz: str) -> PlanSummary:
             raise ValueError(f"summarize needs aware datetimes, got naive {t!r}")
         first = t if first is None or t < first else first
         last = t if last is None or t > last else last
-        d = t.astimezone(zone).date()
+        local = t.astimezone(zone)
+        d = local.date() - _DAY if local.time().replace(fold=0) < day_start else local.date()
         per_day[d] = per_day.get(d, 0) + 1
         total += 1
     days = dict(sorted(per_day.items()))

@@ -52,7 +52,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import UTC, date, datetime, timedelta
 from functools import partial
 from itertools import dropwhile, islice
 from pathlib import Path
@@ -78,7 +78,7 @@ from mailflow.model import (
     SendError,
     Unknown,
 )
-from mailflow.planner import PlanSpec, Window, plan_send_times, summarize
+from mailflow.planner import PlanSpec, Window, plan_day, plan_send_times, summarize
 from mailflow.render import Renderer, subject_template
 from mailflow.sql import query
 from mailflow.store import PostgresStore
@@ -191,13 +191,15 @@ def plan_spec(campaign: Mapping[str, Any]) -> PlanSpec:
 
 
 def _local_midnight(day: date, spec: PlanSpec) -> datetime:
-    """The first instant (UTC) of local date ``day`` (in a midnight DST gap: the instant after it)."""
-    return datetime.combine(day, time(), tzinfo=spec.zone).astimezone(UTC)
+    """The first instant (UTC) of plan day ``day``: ``spec.day_start`` (00:00 unless a window crosses
+    midnight) on that local date (in a DST gap: the instant after it)."""
+    return datetime.combine(day, spec.day_start, tzinfo=spec.zone).astimezone(UTC)
 
 
 def _day_bounds(at: datetime, spec: PlanSpec) -> tuple[datetime, datetime]:
-    """``[start, end)`` in UTC of the local date of ``at`` in the campaign's zone."""
-    day = at.astimezone(spec.zone).date()
+    """``[start, end)`` in UTC of the plan day of ``at`` in the campaign's zone (see
+    :func:`mailflow.planner.plan_day`: a window crossing midnight counts towards its first date)."""
+    day = plan_day(spec, at)
     return _local_midnight(day, spec), _local_midnight(day + timedelta(days=1), spec)
 
 
@@ -215,8 +217,8 @@ def plan_after(spec: PlanSpec, plan_start: datetime, plan_skip: int, planned_thr
         return iter(())
     if planned_through is None:
         return islice(plan_send_times(spec, count + plan_skip, plan_start), plan_skip, None)
-    day = planned_through.astimezone(spec.zone).date()
-    if day <= plan_start.astimezone(spec.zone).date():
+    day = plan_day(spec, planned_through)
+    if day <= plan_day(spec, plan_start):
         start = plan_start
     else:
         start = _local_midnight(day, spec)
@@ -573,7 +575,7 @@ def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary:
     if times and times[0] < now:
         times = list(plan_after(spec, now, 0, None, remaining))
         summary.reanchored = True
-    ps = summarize(times, spec.timezone)
+    ps = summarize(times, spec.timezone, day_start=spec.day_start)
     summary.campaign, summary.timezone, summary.emails_per_day = c["name"], spec.timezone, spec.emails_per_day
     summary.recipients = remaining
     summary.provisioned_total = int(c["provisioned_count"])

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mailflow.planner import PlanSpec, PlanSummary, Window, plan_send_times, summarize
+from mailflow.planner import PlanSpec, PlanSummary, Window, plan_day, plan_send_times, summarize
 
 ALL_DAYS = frozenset(range(1, 8))
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -363,10 +363,18 @@ def test_validation_errors():
         summarize([], "Not/AZone")
     with pytest.raises(ValueError, match=r"windows 09:00-12:00 and 11:00-13:00 overlap"):
         PlanSpec(windows=(Window.parse("11:00-13:00"), Window.parse("09:00-12:00")))
-    with pytest.raises(ValueError, match=r"invalid window 12:00-09:00: start must be before end"):
-        Window(time(12), time(9))
-    with pytest.raises(ValueError, match=r"invalid window 09:00-09:00: start must be before end"):
+    with pytest.raises(ValueError, match=r"invalid window 09:00-09:00: start equals end"):
+        Window(time(9), time(9))
+    with pytest.raises(ValueError, match=r"invalid window '09:00-09:00': start equals end"):
         Window.parse("09:00-09:00")
+    with pytest.raises(ValueError, match=r"invalid window '24:00-01:00': not a valid time of day"):
+        Window.parse("24:00-01:00")
+    with pytest.raises(ValueError, match=r"invalid window '22:00-24:30': not a valid time of day"):
+        Window.parse("22:00-24:30")
+    with pytest.raises(ValueError, match=r"windows 23:00-01:00 and 00:30-09:00 overlap \(the first runs past midnight"):
+        PlanSpec(windows=("23:00-01:00", "00:30-09:00"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"windows 20:00-02:00 and 22:00-23:00 overlap"):
+        PlanSpec(windows=("22:00-23:00", "20:00-02:00"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"invalid window '9-12': expected 'HH:MM-HH:MM'"):
         Window.parse("9-12")
     with pytest.raises(ValueError, match=r"invalid window '25:00-26:00': not a valid time of day"):
@@ -440,8 +448,11 @@ def windows_strategy(draw: st.DrawFn) -> tuple[Window, ...]:
         )
     )
     marks.sort()
+    if draw(st.booleans()):  # half the examples: the last window ends at 24:00 or crosses midnight,
+        # its tail ending at or before the (new) first window's start
+        marks = [*marks[1:], 1440 + draw(st.integers(0, marks[0]))]
     return tuple(
-        Window(time(a // 60, a % 60), time(b // 60, b % 60))
+        Window(time(a // 60, a % 60), time(b % 1440 // 60, b % 60))
         for a, b in zip(marks[::2], marks[1::2], strict=True)
     )
 
@@ -478,14 +489,16 @@ def test_properties(spec_start: tuple[PlanSpec, datetime], count: int):
     per_day: Counter[date] = Counter()
     for t in times:
         local = t.astimezone(zone)
-        assert local.isoweekday() in spec.weekdays, (local, spec)
-        assert any(w.start <= local.time() < w.end for w in spec.windows), (local, spec)
-        per_day[local.date()] += 1
+        day = plan_day(spec, t)
+        assert day.isoweekday() in spec.weekdays, (local, spec)
+        naive = local.replace(tzinfo=None, fold=0)
+        assert any(a <= naive < b for a, b in (w.bounds(day) for w in spec.windows)), (local, spec)
+        per_day[day] += 1
     days = sorted(per_day)
     assert all(per_day[d] == spec.emails_per_day for d in days[:-1])
     if days:
         assert 1 <= per_day[days[-1]] <= spec.emails_per_day
-    assert summarize(times, spec.timezone).emails_per_day == dict(sorted(per_day.items()))
+    assert summarize(times, spec.timezone, day_start=spec.day_start).emails_per_day == dict(sorted(per_day.items()))
 
 
 @settings(max_examples=100, deadline=None)
@@ -497,3 +510,100 @@ def test_prefix_stable(spec_start: tuple[PlanSpec, datetime], a: int, b: int):
     assert list(plan_send_times(spec, short, start)) == list(
         islice(plan_send_times(spec, long, start), short)
     )
+
+
+# --- windows that end at 24:00 or cross midnight ----------------------------------------------------
+
+
+def test_window_to_24_00_and_across_midnight_parse_and_print():
+    assert Window.parse("22:00-24:00") == Window(time(22), time(0))
+    assert str(Window.parse("22:00-24:00")) == "22:00-24:00"
+    assert str(Window.parse("23:00-01:00")) == "23:00-01:00"
+    assert str(Window.parse("00:00-24:00")) == "00:00-24:00"
+    assert Window.parse("23:00-01:00").length == timedelta(hours=2)
+    assert Window.parse("00:00-24:00").length == timedelta(hours=24)
+    assert Window.parse("23:00-01:00").bounds(date(2026, 6, 2)) == (datetime(2026, 6, 2, 23), datetime(2026, 6, 3, 1))
+    # touching across midnight is fine; the plan day starts where the crossing window ends
+    spec = PlanSpec(windows=("01:00-09:00", "23:00-01:00"))  # type: ignore[arg-type]
+    assert spec.day_start == time(1)
+    assert PlanSpec(windows=("22:00-24:00",)).day_start == time(0)  # type: ignore[arg-type]
+    assert PlanSpec().day_start == time(0)
+
+
+def test_22_to_24_has_no_gap_and_whole_second_times():
+    # The old workaround 22:00-23:59:59 left a gap and fractional seconds; 22:00-24:00 spreads 2 h evenly.
+    got = plan(4, datetime(2026, 6, 2, 12, tzinfo=UTC), timezone="UTC", emails_per_day=4,
+               weekdays=ALL_DAYS, windows=("22:00-24:00",))
+    assert got == [utc(2026, 6, 2, 22, 0), utc(2026, 6, 2, 22, 30), utc(2026, 6, 2, 23, 0), utc(2026, 6, 2, 23, 30)]
+
+
+def test_window_crossing_midnight_belongs_to_its_opening_weekday():
+    # Fri 2026-06-05 and Sat allowed only: Friday's 23:00-01:00 runs into Saturday, Saturday's into Sunday;
+    # nothing opens on Sunday, and the next plan day is the following Friday.
+    got = plan(6, datetime(2026, 6, 5, 12, tzinfo=UTC), timezone="UTC", emails_per_day=2,
+               weekdays=frozenset({5, 6}), windows=("23:00-01:00",))
+    assert got == [
+        utc(2026, 6, 5, 23), utc(2026, 6, 6, 0),
+        utc(2026, 6, 6, 23), utc(2026, 6, 7, 0),
+        utc(2026, 6, 12, 23), utc(2026, 6, 13, 0),
+    ]
+    spec = PlanSpec(timezone="UTC", weekdays=frozenset({5, 6}), windows=("23:00-01:00",))  # type: ignore[arg-type]
+    assert [plan_day(spec, t) for t in got[:2]] == [date(2026, 6, 5), date(2026, 6, 5)]
+    assert summarize(got, "UTC", day_start=spec.day_start).emails_per_day == {
+        date(2026, 6, 5): 2, date(2026, 6, 6): 2, date(2026, 6, 12): 2}
+
+
+def test_start_inside_the_tail_of_yesterdays_window_uses_what_remains():
+    # 00:30 on Wed is in Tuesday's 23:00-01:00: its 2 slots go into the remaining 30 min; Wednesday has
+    # 1 h + 2 h of windows, so its 2 slots are 1 h 30 min apart in eligible time: 09:00 and 23:30.
+    got = plan(4, utc(2026, 6, 3, 0, 30), timezone="UTC", emails_per_day=2, weekdays=ALL_DAYS,
+               windows=("09:00-10:00", "23:00-01:00"))
+    assert got == [utc(2026, 6, 3, 0, 30), utc(2026, 6, 3, 0, 45), utc(2026, 6, 3, 9, 0), utc(2026, 6, 3, 23, 30)]
+
+
+MIDNIGHT_DST_CASES = {
+    # Berlin fall back (Sun 2026-10-25 03:00 CEST -> 02:00 CET): Saturday's 23:00-03:30 is 5.5 h real time.
+    "berlin-fall-back": ("Europe/Berlin", "23:00-03:30", 11, date(2026, 10, 24),
+                         [utc(2026, 10, 24, 21) + timedelta(minutes=30 * k) for k in range(11)]),
+    # Berlin spring forward (Sun 2026-03-29 02:00 CET -> 03:00 CEST): Saturday's 22:00-04:00 is 5 h.
+    "berlin-spring-forward": ("Europe/Berlin", "22:00-04:00", 5, date(2026, 3, 28),
+                              [utc(2026, 3, 28, 21), utc(2026, 3, 28, 22), utc(2026, 3, 28, 23),
+                               utc(2026, 3, 29, 0), utc(2026, 3, 29, 1)]),
+    # New York fall back (Sun 2026-11-01 02:00 EDT -> 01:00 EST): 23:00 EDT to 02:30 EST is 4.5 h.
+    "new-york-fall-back": ("America/New_York", "23:00-02:30", 9, date(2026, 10, 31),
+                           [utc(2026, 11, 1, 3) + timedelta(minutes=30 * k) for k in range(9)]),
+    # Santiago ends DST at midnight (Sun 2026-04-05 00:00 -03 -> Sat 23:00 -04): 22:00-24:00 is 3 h,
+    # 24:00 being the end of the repeated hour.
+    "santiago-midnight-fall-back": ("America/Santiago", "22:00-24:00", 3, date(2026, 4, 4),
+                                    [utc(2026, 4, 5, 1), utc(2026, 4, 5, 2), utc(2026, 4, 5, 3)]),
+    # Santiago starts DST at midnight (Sun 2026-09-06 00:00 -04 -> 01:00 -03): 24:00 does not exist and
+    # resolves to the jump instant, so 22:00-24:00 is 2 h.
+    "santiago-midnight-spring-forward": ("America/Santiago", "22:00-24:00", 3, date(2026, 9, 5),
+                                         [utc(2026, 9, 6, 2), utc(2026, 9, 6, 2, 40), utc(2026, 9, 6, 3, 20)]),
+    # Havana starts DST at midnight (Sun 2026-03-08 00:00 CST -> 01:00 CDT).
+    "havana-midnight-spring-forward": ("America/Havana", "22:00-24:00", 2, date(2026, 3, 7),
+                                       [utc(2026, 3, 8, 3), utc(2026, 3, 8, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIDNIGHT_DST_CASES))
+def test_midnight_windows_on_dst_days_exact(case: str):
+    zone_key, window, per_day, day, expected = MIDNIGHT_DST_CASES[case]
+    zone = ZoneInfo(zone_key)
+    got = plan(per_day, datetime.combine(day, time(12), tzinfo=zone), timezone=zone_key,
+               emails_per_day=per_day, weekdays=ALL_DAYS, windows=(window,))
+    assert got == expected
+    spec = PlanSpec(timezone=zone_key, weekdays=ALL_DAYS, windows=(window,))  # type: ignore[arg-type]
+    assert {plan_day(spec, t) for t in got} == {day}
+    assert summarize(got, zone_key, day_start=spec.day_start).emails_per_day == {day: per_day}
+
+
+def test_plan_after_continues_across_midnight_like_one_plan():
+    from mailflow.scheduled import plan_after
+
+    spec = PlanSpec(timezone="Europe/Berlin", emails_per_day=7, weekdays=ALL_DAYS,
+                    windows=("09:00-10:00", "23:00-03:30"))  # type: ignore[arg-type]
+    start = datetime(2026, 10, 23, 8, tzinfo=BERLIN)
+    whole = list(plan_send_times(spec, 40, start))
+    for cut in (3, 5, 6, 7, 12, 20):  # planned_through inside the tail, at a day's last slot, ...
+        assert list(plan_after(spec, start, 0, whole[cut - 1], 40 - cut)) == whole[cut:], cut
