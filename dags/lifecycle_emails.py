@@ -26,6 +26,9 @@ from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
+from mailflow.campaigns import declared_names
+
+CAMPAIGN_NAMES = declared_names()  # one small TOML read at parse time: the trigger form's choices
 
 with DAG(
     dag_id="lifecycle_emails",
@@ -41,7 +44,8 @@ with DAG(
                                      description="Stop minting new chunks after this many seconds (checked between chunks)."),
         "chunk_size": Param(100, type="integer", minimum=1, maximum=100,
                             description="Emails per batch request (provider limit: 100)."),
-        "campaigns": Param([], type="array", items={"type": "string"},
+        "campaigns": Param([], type="array", items={"type": "string", "enum": CAMPAIGN_NAMES},
+                           uniqueItems=True, examples=CAMPAIGN_NAMES,
                            description="Run only these campaigns (names from lifecycle.toml); empty = all."),
         "dry_run": Param(False, type="boolean",
                          description="Only count audiences and render a sample; mint and send nothing."),

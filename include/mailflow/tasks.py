@@ -32,6 +32,33 @@ def unsubscribe_signer() -> UnsubscribeSigner:
     return signer_from_secret(conn.password, kid=extra.get("kid", "k1"), old=extra.get("old_keys"))
 
 
+def campaigns_param(params: Any) -> list[Any]:
+    """The lifecycle campaigns a run asked for (Param ``campaigns``: a list of declared names;
+    empty or missing = all), loaded and validated.
+
+    A mistake in the Param (a name not in ``lifecycle.toml``, a value that is not a list of strings)
+    fails the task at once with :class:`airflow.sdk.exceptions.AirflowFailException`, i.e. without
+    retries: running the same Params again cannot succeed. The trigger form already refuses
+    undeclared names (the Param's enum); this covers runs created around it (API, CLI, a
+    ``lifecycle.toml`` changed since the run was triggered).
+    """
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from mailflow.campaigns import load_campaigns
+
+    raw = params.get("campaigns") if params is not None else None
+    if raw is None or raw == []:
+        only = None
+    elif isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        only = list(raw)
+    else:
+        raise AirflowFailException(f"Param campaigns must be a list of campaign names, got {raw!r}")
+    try:
+        return load_campaigns(only=only)
+    except ValueError as exc:
+        raise AirflowFailException(f"Param campaigns: {exc}") from None
+
+
 def send_log_connection() -> Any:
     """A psycopg 3 connection to the send log through the Postgres provider's hook."""
     from airflow.providers.postgres.hooks.postgres import PostgresHook
@@ -46,7 +73,8 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     of names; empty = all), ``dry_run`` (audience counts and a rendered sample, nothing minted),
     ``allow_old_interval`` (a backfill of an interval older than a campaign's max_interval_age sends).
     """
-    from mailflow.campaigns import load_campaigns
+    from airflow.sdk.exceptions import AirflowFailException
+
     from mailflow.engine import run_lifecycle
     from mailflow.migrate import migrate
     from mailflow.model import SendError
@@ -56,12 +84,12 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
 
     params = context["params"]
     if context.get("data_interval_start") is None or context.get("data_interval_end") is None:
-        raise ValueError("this run has no data interval (a manual run without a logical date): trigger it "
+        raise AirflowFailException("this run has no data interval (a manual run without a logical date): trigger it "
                          "with a logical date, which for this interval timetable is the interval's END")
     interval = DataInterval(context["data_interval_start"], context["data_interval_end"])
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
-    campaigns = load_campaigns(only=list(params.get("campaigns") or []) or None)
+    campaigns = campaigns_param(params)
     renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
     with send_log_connection() as conn:

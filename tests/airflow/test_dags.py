@@ -77,7 +77,9 @@ def test_lifecycle_emails_params_and_their_documented_defaults(dagbag: Any) -> N
     assert (chunk["type"], chunk["minimum"], chunk["maximum"]) == ("integer", 1, 100)
     budget = params.get_param("time_budget_seconds").schema
     assert (budget["type"], budget["minimum"], budget["maximum"]) == ("integer", 10, 3000)
-    assert params.get_param("campaigns").schema["items"] == {"type": "string"}
+    names = [c.name for c in load_campaigns()]
+    assert params.get_param("campaigns").schema["items"] == {"type": "string", "enum": names}
+    assert params.get_param("campaigns").schema["examples"] == names  # the trigger form's multi-select
     assert params.get_param("dry_run").schema["type"] == "boolean"
     assert params.get_param("allow_old_interval").schema["type"] == "boolean"
 
@@ -89,6 +91,46 @@ def test_chunk_size_param_refuses_101(dagbag: Any) -> None:
     assert param.resolve(100) == 100
     with pytest.raises(ParamValidationError):
         param.resolve(101)
+
+
+def test_campaigns_param_is_an_enum_of_the_declared_names_and_refuses_a_typo(dagbag: Any) -> None:
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from mailflow.campaigns import declared_names
+
+    assert declared_names() == ["finish_assessment", "first_practice", "upgrade_offer", "practice_tips"]
+    param = dagbag.dags["lifecycle_emails"].params.get_param("campaigns")
+    assert param.resolve(["upgrade_offer", "first_practice"]) == ["upgrade_offer", "first_practice"]
+    assert param.resolve([]) == []
+    with pytest.raises(ParamValidationError, match="'upgrade_ofer' is not one of"):
+        param.resolve(["upgrade_ofer"])
+    with pytest.raises(ParamValidationError, match="non-unique"):
+        param.resolve(["upgrade_offer", "upgrade_offer"])
+
+
+def test_a_bad_campaigns_param_fails_the_task_at_once_without_retries() -> None:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from mailflow.tasks import campaigns_param
+
+    assert [c.name for c in campaigns_param({"campaigns": ["upgrade_offer"]})] == ["upgrade_offer"]
+    assert len(campaigns_param({"campaigns": []})) == len(load_campaigns())
+    with pytest.raises(AirflowFailException, match=r"Param campaigns: unknown campaign\(s\) \['upgrade_ofer'\]; "
+                                                   r"declared: \['finish_assessment'"):
+        campaigns_param({"campaigns": ["upgrade_ofer"]})
+    with pytest.raises(AirflowFailException, match=r"Param campaigns must be a list of campaign names, got 'upgrade'"):
+        campaigns_param({"campaigns": "upgrade"})
+
+
+def test_declared_names_at_parse_time_cost_one_toml_read(tmp_path: Path) -> None:
+    from mailflow.campaigns import declared_names
+
+    # no audience/template files next to it: declared_names does not look at them (load_campaigns would)
+    toml = tmp_path / "lifecycle.toml"
+    toml.write_text('[defaults]\ncooldown = "P7D"\n[[campaign]]\nname = "b"\n[[campaign]]\nname = "a"\n')
+    assert declared_names(toml) == ["b", "a"]
+    with pytest.raises(ValueError, match="audience"):
+        load_campaigns(toml)
 
 
 # -- dag.test() ------------------------------------------------------------------------------------

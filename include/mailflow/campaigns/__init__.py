@@ -49,6 +49,18 @@ class Campaign:
         return interval.end - width, interval.end
 
 
+def declared_names(path: Path | None = None) -> list[str]:
+    """Names of the campaigns declared in ``lifecycle.toml`` (or ``path``), in file order.
+
+    Cheap enough for DAG parse time (one TOML read, no database, no audience or template checks):
+    the lifecycle DAG offers them as the ``campaigns`` Param's enum. Full validation stays in
+    :func:`load_campaigns`. A file without names gives ``[]``.
+    """
+    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
+    doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    return [str(c["name"]) for c in doc.get("campaign", []) if "name" in c]
+
+
 def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> list[Campaign]:
     """Load and validate campaigns from a TOML file, sorted by priority.
 
