@@ -2,7 +2,8 @@
 
 Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
 
-    mailflow migrate --dsn postgresql://...
+    mailflow migrate --dsn postgresql://...    # apply pending migrations (the deploy's migrate step)
+    mailflow migrate --check --dsn ...         # exit 1 and name them if any are pending
     mailflow report  --dsn ...                 # per-campaign counts by state
     mailflow audit   --dsn ... --outbox PATH   # invariants: sent rows <-> delivered emails
 """
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dsn", default=argparse.SUPPRESS, help="send-log database (or MAILFLOW_DSN)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("migrate", help="apply pending migrations", parents=[common])
+    m = sub.add_parser("migrate", help="apply pending migrations under the migration lock (docs/operations.md, "
+                       "'Upgrading')", parents=[common])
+    m.add_argument("--check", action="store_true", help="apply nothing; exit 1 if migrations are pending")
+    m.add_argument("--lock-timeout", type=float, default=1.0,
+                   help="seconds a transactional migration waits for a table lock before retrying (default 1)")
     sub.add_parser("report", help="per-campaign counts by state", parents=[common])
     a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
                        parents=[common])
@@ -105,9 +110,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     if args.cmd == "migrate":
-        from mailflow.migrate import migrate
+        import logging
 
-        applied = migrate(conn)
+        from mailflow.migrate import SchemaNotCurrent, migrate, require_current
+
+        if args.check:
+            try:
+                require_current(conn)
+            except SchemaNotCurrent as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            print("schema up to date")
+            return 0
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+        applied = migrate(conn, lock_timeout_seconds=args.lock_timeout)
         print("applied: " + ", ".join(applied) if applied else "schema up to date")
     elif args.cmd == "report":
         head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
@@ -120,7 +136,6 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         print(json.dumps(result, indent=2))
         bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
         return 1 if bad else 0
-    return 0
     return 0
 
 

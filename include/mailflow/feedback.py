@@ -238,7 +238,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     :raises FeedbackError: if the provider refuses the API key.
     """
     from mailflow import settings
-    from mailflow.migrate import migrate
+    from mailflow.migrate import require_current
     from mailflow.provider.hook import ResendHook
     from mailflow.tasks import send_log_connection
 
@@ -246,7 +246,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     with send_log_connection() as conn:
         conn.autocommit = True
-        migrate(conn)
+        require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
             summary = poll_feedback(

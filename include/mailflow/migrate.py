@@ -1,58 +1,233 @@
-"""Apply the numbered migrations in ``sql/migrations`` in order, each once, recorded in a table.
+"""Schema migrations of the send log: ``sql/migrations/NNNN_name.sql``, each applied once, in order.
 
-Safe to run twice and from several processes at once: a transaction-scoped advisory lock
-serialises runners, and every applied version is recorded in ``mail.schema_migrations``.
+One step applies them (``mailflow migrate``, the deploy's migrate job); tasks never migrate, they call
+:func:`require_current` and fail clearly when the database is behind the code (docs/operations.md,
+"Upgrading").
+
+Safe on a live database:
+
+* **One runner at a time.** A session-level advisory lock (key ``LOCK_KEY``) serialises runners;
+  a second runner polls for it (every 0.5 s), then finds nothing left to do. Every applied version is recorded in
+  ``mail.schema_migrations``. A version missing there is applied, whatever its number, so a
+  migration that lands after a higher number (parallel branches) is applied too.
+* **Transactional files** (the default) run in one transaction with their record and with a short
+  ``lock_timeout`` (``lock_timeout_seconds``, 1 s): a statement that needs a strong lock on a busy
+  table gives up instead of queueing every reader behind it, and the file is retried
+  (``lock_retries`` times, with a growing pause). Such files must only take brief locks (add a
+  column, create a table or view); never build an index on a large table in one.
+* **Non-transactional files** start with the line ``-- migrate: no-transaction``. Their statements
+  (separated by ``;`` at the end of a line) run one by one in autocommit mode, for
+  ``CREATE INDEX CONCURRENTLY`` and ``DROP INDEX CONCURRENTLY`` (PostgreSQL refuses them inside a
+  transaction block). They must be idempotent (``if not exists`` / ``if exists``). Resumable: an
+  interrupted concurrent build leaves an INVALID index behind (PostgreSQL docs, "Building Indexes
+  Concurrently"); before each ``create index concurrently NAME``, an invalid index of that name is
+  dropped concurrently and rebuilt, a valid one is kept. The file's record is written after its
+  last statement, so an interrupted file runs again from its start.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
+from dataclasses import dataclass
 from importlib import resources
 
 import psycopg
+from psycopg import sql as pgsql
+from psycopg.pq import TransactionStatus
 
-_LOCK_KEY = 7_406_215_001  # arbitrary, fixed: pg_advisory_xact_lock key for migrations
+log = logging.getLogger(__name__)
+
+LOCK_KEY = 7_406_215_001  # arbitrary, fixed: pg_advisory_lock key of the migrator
+NO_TRANSACTION = "-- migrate: no-transaction"
+"""First line of a migration file whose statements must run outside a transaction."""
 _FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+_STATEMENT_END = re.compile(r";[ \t]*(?:--[^\n]*)?$", re.MULTILINE)
+_CREATE_INDEX = re.compile(
+    r"^\s*create\s+(?:unique\s+)?index\s+concurrently\s+(?:if\s+not\s+exists\s+)?(?P<name>\w+)\s+on\s+"
+    r"(?:only\s+)?(?:(?P<schema>\w+)\.)?\w+", re.IGNORECASE)
 
 
-def migration_files() -> list[tuple[int, str, str]]:
-    """Return ``[(version, filename, sql)]`` sorted by version.
+class SchemaNotCurrent(RuntimeError):
+    """The send-log database is behind this code: run ``mailflow migrate`` (the message names the files)."""
 
-    :raises ValueError: if two files share a version number.
+
+@dataclass(frozen=True)
+class Migration:
+    """One file of ``sql/migrations``: ``version`` (its NNNN), ``name`` (file name), ``sql`` (text),
+    ``transactional`` (False when its first line is :data:`NO_TRANSACTION`)."""
+
+    version: int
+    name: str
+    sql: str
+    transactional: bool
+
+    def statements(self) -> list[str]:
+        """The file's statements (comment-only pieces dropped), split on ``;`` at the end of a line.
+
+        Only for non-transactional files, which hold simple statements (no ``$$`` bodies).
+        """
+        out = []
+        for piece in _STATEMENT_END.split(self.sql):
+            code = "\n".join(line for line in piece.splitlines() if not line.strip().startswith("--")).strip()
+            if code:
+                out.append(code)
+        return out
+
+
+def migration_files() -> list[Migration]:
+    """Every migration of the package, sorted by version.
+
+    :raises ValueError: if two files share a version number, or a non-transactional file holds a
+        ``$$`` body (it could not be split into statements safely).
     """
     folder = resources.files("mailflow.sql").joinpath("migrations")
-    found: dict[int, tuple[int, str, str]] = {}
+    found: dict[int, Migration] = {}
     for entry in folder.iterdir():
         m = _FILE.match(entry.name)
         if not m:
             continue
         version = int(m.group(1))
         if version in found:
-            raise ValueError(f"two migrations share version {version}: {found[version][1]} and {entry.name}")
-        found[version] = (version, entry.name, entry.read_text(encoding="utf-8"))
+            raise ValueError(f"two migrations share version {version}: {found[version].name} and {entry.name}")
+        text = entry.read_text(encoding="utf-8")
+        first = text.split("\n", 1)[0].strip().lower()
+        migration = Migration(version, entry.name, text, transactional=first != NO_TRANSACTION)
+        if not migration.transactional and "$$" in text:
+            raise ValueError(f"{entry.name}: a no-transaction migration cannot hold a $$ body")
+        found[version] = migration
     return [found[v] for v in sorted(found)]
 
 
-def migrate(conn: psycopg.Connection) -> list[str]:
-    """Apply pending migrations on ``conn``; return the filenames applied (empty if up to date).
+def applied_versions(conn: psycopg.Connection) -> set[int] | None:
+    """Versions recorded in ``mail.schema_migrations``, or None if the table does not exist."""
+    exists = conn.execute("select to_regclass('mail.schema_migrations') is not null").fetchone()
+    if not exists or not exists[0]:
+        return None
+    return {int(r[0]) for r in conn.execute("select version from mail.schema_migrations").fetchall()}
 
-    Each migration runs in its own transaction together with its record, so a failing file
-    leaves the schema at the previous version.
+
+def pending(conn: psycopg.Connection) -> list[Migration]:
+    """The package's migrations not yet recorded in the database (all of them on an empty one)."""
+    done = applied_versions(conn) or set()
+    return [m for m in migration_files() if m.version not in done]
+
+
+def require_current(conn: psycopg.Connection) -> None:
+    """Check that every migration of this code is applied; tasks call this instead of migrating.
+
+    One indexed read; leaves ``conn`` idle (the read is committed or rolled back if it opened a
+    transaction). A database *ahead* of the code (a migration this code does not know) is accepted:
+    migrations are additive, so old code keeps working during a rolling deploy.
+
+    :raises SchemaNotCurrent: naming the missing files and the command that applies them.
     """
-    applied: list[str] = []
-    for version, name, sql in migration_files():
-        with conn.transaction():
-            conn.execute("select pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-            conn.execute("create schema if not exists mail")
-            conn.execute(
-                "create table if not exists mail.schema_migrations ("
-                " version integer primary key, name text not null,"
-                " applied_at timestamptz not null default now())"
-            )
-            done = conn.execute("select 1 from mail.schema_migrations where version = %s", (version,)).fetchone()
-            if done:
+    started_idle = conn.info.transaction_status == TransactionStatus.IDLE
+    try:
+        missing = pending(conn)
+    finally:
+        if started_idle and conn.info.transaction_status != TransactionStatus.IDLE:
+            conn.rollback()
+    if missing:
+        names = ", ".join(m.name for m in missing)
+        raise SchemaNotCurrent(
+            f"the send-log database {conn.info.dbname!r} is behind this code: {len(missing)} migration(s) "
+            f"not applied ({names}). Run `mailflow migrate --dsn ...` (the deploy's migrate step, "
+            "docs/operations.md 'Upgrading') before the tasks; tasks never migrate on their own.")
+
+
+def migrate(conn: psycopg.Connection, *, target: int | None = None, lock_timeout_seconds: float = 1.0,
+            lock_retries: int = 10) -> list[str]:
+    """Apply the pending migrations (up to version ``target`` inclusive, default all); return the
+    file names applied, in order (empty if up to date).
+
+    :param conn: an idle psycopg 3 connection; it is switched to autocommit (each transactional
+        file is an explicit transaction, each statement of a no-transaction file its own).
+    :param lock_timeout_seconds: ``lock_timeout`` of transactional files (s); 0 = wait forever.
+    :param lock_retries: further attempts of a transactional file whose lock wait timed out.
+    :raises ValueError: if ``conn`` is inside a transaction.
+    :raises psycopg.errors.LockNotAvailable: if a file still could not get its locks after the retries.
+    :raises psycopg.Error: from a failing file (a transactional file leaves nothing behind; a
+        no-transaction file is resumed by the next run).
+    """
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise ValueError("migrate() needs an idle connection (it runs statements outside a transaction)")
+    conn.autocommit = True
+    # Poll instead of waiting inside pg_advisory_lock(): a statement waiting for the lock is an open
+    # transaction, and the holder's CREATE INDEX CONCURRENTLY waits for every open transaction
+    # (deadlock).
+    waited = 0
+    while not conn.execute("select pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:  # type: ignore[index]
+        if waited % 60 == 0:
+            log.info("another migrator holds the migration lock; waiting for it (%d s so far)", waited // 2)
+        waited += 1
+        time.sleep(0.5)
+    try:
+        conn.execute("create schema if not exists mail")
+        conn.execute("create table if not exists mail.schema_migrations ("
+                     " version integer primary key, name text not null,"
+                     " applied_at timestamptz not null default now())")
+        applied: list[str] = []
+        for m in pending(conn):
+            if target is not None and m.version > target:
                 continue
-            conn.execute(sql)  # trusted file from the package
-            conn.execute("insert into mail.schema_migrations (version, name) values (%s, %s)", (version, name))
-            applied.append(name)
-    return applied
+            t0 = time.monotonic()
+            if m.transactional:
+                _apply_transactional(conn, m, lock_timeout_seconds, lock_retries)
+            else:
+                _apply_concurrently(conn, m)
+            log.info("applied %s in %.1f s", m.name, time.monotonic() - t0)
+            applied.append(m.name)
+        return applied
+    finally:
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            conn.rollback()
+        conn.execute("select pg_advisory_unlock(%s)", (LOCK_KEY,))
+
+
+def _record(conn: psycopg.Connection, m: Migration) -> None:
+    conn.execute("insert into mail.schema_migrations (version, name) values (%s, %s) on conflict do nothing",
+                 (m.version, m.name))
+
+
+def _apply_transactional(conn: psycopg.Connection, m: Migration, lock_timeout: float, retries: int) -> None:
+    for attempt in range(retries + 1):
+        try:
+            with conn.transaction():
+                conn.execute("select set_config('lock_timeout', %s, true)", (f"{int(lock_timeout * 1000)}ms",))
+                conn.execute(m.sql.encode())  # trusted file from the package
+                _record(conn, m)
+            return
+        except psycopg.errors.LockNotAvailable:
+            if attempt == retries:
+                raise
+            pause = min(30.0, 0.5 * 2**attempt)
+            log.warning("%s: a lock was not granted within %.1f s (busy table); retrying in %.1f s",
+                        m.name, lock_timeout, pause)
+            time.sleep(pause)
+
+
+def _apply_concurrently(conn: psycopg.Connection, m: Migration) -> None:
+    conn.execute("set lock_timeout = 0")  # a concurrent build may wait for old transactions; it blocks nobody
+    try:
+        for statement in m.statements():
+            index = _CREATE_INDEX.match(statement)
+            if index is not None:
+                schema = index.group("schema") or "public"
+                state = conn.execute(
+                    "select i.indisvalid from pg_index i join pg_class c on c.oid = i.indexrelid"
+                    " join pg_namespace n on n.oid = c.relnamespace where n.nspname = %s and c.relname = %s",
+                    (schema, index.group("name"))).fetchone()
+                if state is not None and state[0]:
+                    log.info("%s: index %s.%s already built", m.name, schema, index.group("name"))
+                    continue
+                if state is not None:
+                    log.warning("%s: index %s.%s is INVALID (an interrupted build): dropping and rebuilding it",
+                                m.name, schema, index.group("name"))
+                    conn.execute(pgsql.SQL("drop index concurrently if exists {}").format(
+                        pgsql.Identifier(schema, index.group("name"))))
+            conn.execute(statement.encode())  # trusted file from the package
+        _record(conn, m)
+    finally:
+        conn.execute("reset lock_timeout")

@@ -922,12 +922,12 @@ def _run_context(context: Mapping[str, Any]) -> RunContext:
 def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """The ``provision_campaign`` DAG's task: Params ``campaign_id`` (int), ``dry_run`` (bool),
     ``chunk_size`` (recipients per transaction). Returns the :class:`ProvisionSummary` as a dict."""
-    from mailflow.migrate import migrate
+    from mailflow.migrate import require_current
     from mailflow.tasks import send_log_connection
 
     params = context["params"]
     with send_log_connection() as conn:
-        migrate(conn)
+        require_current(conn)
         summary = provision(conn, int(params["campaign_id"]), now=datetime.now(UTC),
                             chunk=int(params.get("chunk_size") or 5000), dry_run=bool(params.get("dry_run")),
                             run=_run_context(context))
@@ -940,14 +940,14 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """The ``dispatch_scheduled_emails`` DAG's task: Params ``time_budget_seconds``,
     ``coalesce_seconds``. Builds the renderer and the paced Resend client from the connections and
     calls :func:`dispatch`. Returns the :class:`DispatchSummary` as a dict."""
-    from mailflow.migrate import migrate
+    from mailflow.migrate import require_current
     from mailflow.provider.hook import ResendHook
     from mailflow.tasks import send_log_connection, unsubscribe_signer
 
     params = context["params"]
     renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
     with send_log_connection() as conn:
-        migrate(conn)
+        require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
             summary = dispatch(conn, client, renderer, run=_run_context(context),
@@ -984,11 +984,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
-    from mailflow.migrate import migrate
+    from mailflow.migrate import SchemaNotCurrent
 
     try:
-        out = _run_command(args, migrate)
-    except (FileNotFoundError, ValueError, LookupError, CampaignStateError, psycopg.Error) as exc:
+        out = _run_command(args)
+    except (FileNotFoundError, ValueError, LookupError, CampaignStateError, SchemaNotCurrent, psycopg.Error) as exc:
         print(f"error: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr)
         if isinstance(exc, psycopg.OperationalError):
             print("hint: is the database running? (the demo's embedded server: make psql / make demo)", file=sys.stderr)
@@ -997,9 +997,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_command(args: argparse.Namespace, migrate: Any) -> Any:
+def _run_command(args: argparse.Namespace) -> Any:
+    from mailflow.migrate import require_current
+
     with psycopg.connect(args.dsn) as conn:
-        migrate(conn)
+        require_current(conn)  # the schema comes from `mailflow migrate`, never from this command
         out: Any
         if args.cmd == "create":
             cid = create_campaign(conn, load_spec(args.spec), actor=args.actor, base_dir=args.spec.parent)

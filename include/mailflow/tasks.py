@@ -76,7 +76,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     from airflow.sdk.exceptions import AirflowFailException
 
     from mailflow.engine import run_lifecycle
-    from mailflow.migrate import migrate
+    from mailflow.migrate import require_current
     from mailflow.model import SendError
     from mailflow.provider.hook import ResendHook
     from mailflow.render import Renderer
@@ -94,7 +94,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
     with send_log_connection() as conn:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
-        migrate(conn)
+        require_current(conn)
         store = PostgresStore(conn)
         if params.get("dry_run"):
             return store.preview(campaigns, interval, renderer, sample=3)
@@ -126,7 +126,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     from datetime import timedelta
 
     from mailflow.alerts import dead_letter_alert
-    from mailflow.migrate import migrate
+    from mailflow.migrate import require_current
     from mailflow.provider.hook import ResendHook
     from mailflow.repair import reconcile
 
@@ -137,7 +137,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     attempts = int(params.get("max_attempts") or settings.max_attempts())
     with send_log_connection() as conn:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
-        migrate(conn)
+        require_current(conn)
         now = conn.execute("select now()").fetchone()[0]
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:

@@ -1,32 +1,12 @@
--- 0004: the send log for analysts. Indexes the analytics views and the example queries of
--- docs/send_log.md need, the views (stable names, documented columns), a comment on every table
+-- 0004: the send log for analysts: the views (stable names, documented columns), a comment on every table
 -- and column of schema mail, and the read-only role mail_analyst.
 -- Every timestamp is timestamptz (an instant; shown in the session's TimeZone, stored in UTC).
 
 -- == indexes ==================================================================================
--- The views read a campaign's rows through narrow indexes that hold every column they need, so a
--- large campaign is counted by index-only scans (never a scan of the whole table). Index-only scans
--- rely on the visibility map that autovacuum maintains.
---
--- 0001's (campaign, minted_at) index, rebuilt with the columns the daily view needs.
-drop index mail.send_log_campaign_minted_idx;
-create index send_log_campaign_minted_idx on mail.send_log (campaign, minted_at) include (user_id, kind);
--- Sent emails by campaign: counts, the send rate (last 5 minutes), the latest sends, days.
-create index send_log_campaign_sent_idx on mail.send_log (campaign, sent_at) include (user_id, kind)
-    where status = 'sent';
--- Sent emails by time: "who got an email on day X?", emails per user in a period.
-create index send_log_sent_idx on mail.send_log (sent_at) include (user_id, campaign) where status = 'sent';
--- Failed emails (a small share) by campaign and by time: rejections, rolled-back attempts, dead letters.
-create index send_log_failed_idx on mail.send_log (campaign, minted_at)
-    include (user_id, kind, claimed_at, released_at, dead_lettered_at) where status = 'failed';
--- Cancelled emails (a small share) by campaign.
-create index send_log_cancelled_idx on mail.send_log (campaign, minted_at) include (user_id, kind)
-    where status = 'cancelled';
--- A user's history (mail.user_email_history) and the cooldown re-evaluation of one run: every row
--- of a user, live or released (the other user_id indexes are partial).
-create index send_log_user_idx on mail.send_log (user_id);
--- "What did run R do?": the rows one Airflow run minted or claimed, by campaign.
-create index send_log_run_idx on mail.send_log (run_id, campaign) where run_id is not null;
+-- The narrow indexes the views read are built by 0009_analytics_indexes.sql, CONCURRENTLY and
+-- outside a transaction, so upgrading a large send log never blocks readers or writers (this file
+-- used to build them here, in one transaction that held an ACCESS EXCLUSIVE lock on mail.send_log
+-- for the whole build). Until 0009 has run the views are correct, only slower.
 
 -- == views ====================================================================================
 
