@@ -26,6 +26,9 @@ from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
+from mailflow.budgets import budget_description, max_budget_seconds
+
+POLL_TIMEOUT = timedelta(minutes=25)  # execution_timeout of poll_feedback; the budget Param fits inside it
 
 with DAG(
     dag_id="deliverability_feedback",
@@ -47,12 +50,13 @@ with DAG(
                                       description="Polls per email at most."),
         "max_emails_per_run": Param(500, type="integer", minimum=1, maximum=20000,
                                     description="Emails checked per run at most (about one request each)."),
-        "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=1500,
-                                     description="No request starts after this many seconds."),
+        "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=max_budget_seconds(POLL_TIMEOUT),
+                                     description=budget_description("No request starts after this many seconds.",
+                                                                    POLL_TIMEOUT)),
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=25), outlets=[SEND_LOG])
+    @task(pool="email_provider", execution_timeout=POLL_TIMEOUT, outlets=[SEND_LOG])
     def poll_feedback(**context) -> dict:
         """Check recent sends' status; suppress hard bounces and complaints; returns counts."""
         from mailflow.feedback import feedback_task

@@ -33,6 +33,11 @@ from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
+from mailflow.budgets import budget_description, max_budget_seconds
+
+# execution_timeout of dispatch: a 50 s budget needs far less, but the chunk in flight at the budget may
+# retry for up to the longest chunk (333 s with the default connection, mailflow.budgets).
+DISPATCH_TIMEOUT = timedelta(minutes=10)
 
 with DAG(
     dag_id="dispatch_scheduled_emails",
@@ -44,14 +49,15 @@ with DAG(
     tags=["email", "scheduled", "mailflow"],
     doc_md=__doc__,
     params={
-        "time_budget_seconds": Param(50, type="integer", minimum=5, maximum=600,
-                                     description="No new claim or wait starts after this many seconds."),
+        "time_budget_seconds": Param(50, type="integer", minimum=5, maximum=max_budget_seconds(DISPATCH_TIMEOUT),
+                                     description=budget_description("No new claim or wait starts after this many "
+                                                                    "seconds.", DISPATCH_TIMEOUT)),
         "coalesce_seconds": Param(5, type="number", minimum=0, maximum=50,
                                   description="A due email waits at most this long for others to share its request."),
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=4), outlets=[SEND_LOG])
+    @task(pool="email_provider", execution_timeout=DISPATCH_TIMEOUT, outlets=[SEND_LOG])
     def dispatch(**context) -> dict:
         """Send due scheduled emails until nothing is due within the budget; returns counts."""
         from mailflow.scheduled import dispatch_task

@@ -26,6 +26,9 @@ from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
+from mailflow.budgets import budget_description, max_budget_seconds
+
+SEND_TIMEOUT = timedelta(minutes=15)  # execution_timeout of send_campaigns; the budget Param fits inside it
 from mailflow.campaigns import declared_names
 
 CAMPAIGN_NAMES = declared_names()  # one small TOML read at parse time: the trigger form's choices
@@ -40,8 +43,9 @@ with DAG(
     tags=["email", "lifecycle", "mailflow"],
     doc_md=__doc__,
     params={
-        "time_budget_seconds": Param(240, type="integer", minimum=10, maximum=3000,
-                                     description="Stop minting new chunks after this many seconds (checked between chunks)."),
+        "time_budget_seconds": Param(240, type="integer", minimum=10, maximum=max_budget_seconds(SEND_TIMEOUT),
+                                     description=budget_description("Stop minting new chunks after this many "
+                                                                    "seconds (checked between chunks).", SEND_TIMEOUT)),
         "chunk_size": Param(100, type="integer", minimum=1, maximum=100,
                             description="Emails per batch request (provider limit: 100)."),
         "campaigns": Param([], type="array", items={"type": "string", "enum": CAMPAIGN_NAMES},
@@ -55,7 +59,7 @@ with DAG(
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=15), outlets=[SEND_LOG],
+    @task(pool="email_provider", execution_timeout=SEND_TIMEOUT, outlets=[SEND_LOG],
           max_active_tis_per_dag=1)
     def send_campaigns(**context) -> list[dict]:
         """Send every campaign for this run's data interval; returns per-campaign counts."""

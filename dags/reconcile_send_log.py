@@ -21,6 +21,9 @@ from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
+from mailflow.budgets import budget_description, max_budget_seconds
+
+RECONCILE_TIMEOUT = timedelta(minutes=25)  # execution_timeout of reconcile; the budget Param fits inside it
 
 with DAG(
     dag_id="reconcile_send_log",
@@ -36,12 +39,13 @@ with DAG(
                                      description="A sending claim older than this (s) is stale."),
         "max_attempts": Param(3, type="integer", minimum=1, maximum=10,
                               description="Whole-request failures before an email is dead-lettered."),
-        "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=1500,
-                                     description="Stop resending batches after this many seconds."),
+        "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=max_budget_seconds(RECONCILE_TIMEOUT),
+                                     description=budget_description("Stop resending batches after this many seconds.",
+                                                                    RECONCILE_TIMEOUT)),
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=timedelta(minutes=25), outlets=[SEND_LOG])
+    @task(pool="email_provider", execution_timeout=RECONCILE_TIMEOUT, outlets=[SEND_LOG])
     def reconcile(**context) -> dict:
         """Repair stale claims, resend inside the idempotency window, dead-letter and alert."""
         from mailflow.tasks import reconcile_send_log

@@ -240,14 +240,15 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     from mailflow import settings
     from mailflow.migrate import require_current
     from mailflow.provider.hook import ResendHook
-    from mailflow.tasks import send_log_connection
+    from mailflow.tasks import budget_fits, send_log_connection
 
     params = context["params"]
+    budget = budget_fits(context, float(params.get("time_budget_seconds", 600)), settings.FEEDBACK_CONN_ID)
     started = time.monotonic()
     with send_log_connection() as conn:
         conn.autocommit = True
         require_current(conn)
-        client = ResendHook(settings.RESEND_CONN_ID).get_conn()
+        client = ResendHook(settings.FEEDBACK_CONN_ID).get_conn()
         try:
             summary = poll_feedback(
                 conn, client,
@@ -256,7 +257,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
                 recheck_after=timedelta(minutes=float(params.get("recheck_after_minutes", 120))),
                 max_checks=int(params.get("max_checks_per_email", 4)),
                 limit=int(params.get("max_emails_per_run", 500)),
-                budget_seconds=float(params.get("time_budget_seconds", 600)),
+                budget_seconds=budget,
             )
         finally:
             client.close()

@@ -942,16 +942,17 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     calls :func:`dispatch`. Returns the :class:`DispatchSummary` as a dict."""
     from mailflow.migrate import require_current
     from mailflow.provider.hook import ResendHook
-    from mailflow.tasks import send_log_connection, unsubscribe_signer
+    from mailflow.tasks import budget_fits, send_log_connection, unsubscribe_signer
 
     params = context["params"]
+    budget = budget_fits(context, float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)))
     renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
     with send_log_connection() as conn:
         require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
             summary = dispatch(conn, client, renderer, run=_run_context(context),
-                               budget_seconds=float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)),
+                               budget_seconds=budget,
                                coalesce_seconds=float(params.get("coalesce_seconds", COALESCE_SECONDS)))
         finally:
             client.close()

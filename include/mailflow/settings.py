@@ -12,6 +12,10 @@ import os
 SEND_LOG_CONN_ID = os.environ.get("MAILFLOW_SEND_LOG_CONN_ID", "send_log_db")
 RESEND_CONN_ID = os.environ.get("MAILFLOW_RESEND_CONN_ID", "resend_default")
 UNSUBSCRIBE_CONN_ID = os.environ.get("MAILFLOW_UNSUBSCRIBE_CONN_ID", "mail_unsubscribe")
+FEEDBACK_CONN_ID = os.environ.get("MAILFLOW_FEEDBACK_CONN_ID", RESEND_CONN_ID)
+"""The deliverability_feedback DAG's provider connection: it reads emails (GET /emails/{id}), which
+needs a **full-access** API key. Point it at a connection of its own (e.g. ``resend_full_access``)
+to keep the senders on a sending-only key."""
 
 
 def public_url() -> str:

@@ -59,6 +59,25 @@ def campaigns_param(params: Any) -> list[Any]:
         raise AirflowFailException(f"Param campaigns: {exc}") from None
 
 
+def budget_fits(context: Any, budget_seconds: float, conn_id: str | None = None) -> float:
+    """Return ``budget_seconds`` after checking, before anything is sent, that it fits the task's
+    ``execution_timeout`` with the longest chunk of the provider connection ``conn_id`` (its
+    timeouts; default ``resend_default``); see :mod:`mailflow.budgets`.
+
+    :raises airflow.sdk.exceptions.AirflowFailException: naming both numbers (not retried).
+    """
+    from mailflow.budgets import check_budget
+
+    task = context.get("task") if hasattr(context, "get") else None
+    if getattr(task, "execution_timeout", None) is None:
+        return budget_seconds
+    from mailflow.provider.hook import ResendHook
+
+    s = ResendHook(conn_id or settings.RESEND_CONN_ID).settings()
+    check_budget(budget_seconds, context, timeout=s["timeout_seconds"], connect_timeout=s["connect_timeout_seconds"])
+    return budget_seconds
+
+
 def send_log_connection() -> Any:
     """A psycopg 3 connection to the send log through the Postgres provider's hook."""
     from airflow.providers.postgres.hooks.postgres import PostgresHook
@@ -92,6 +111,9 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     campaigns = campaigns_param(params)
     renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
+    budget = float(params.get("time_budget_seconds", 240))
+    if not params.get("dry_run"):
+        budget_fits(context, budget)
     with send_log_connection() as conn:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
         require_current(conn)
@@ -102,7 +124,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
         client = hook.get_conn()
         try:
             summaries = run_lifecycle(store, client, renderer, campaigns, interval, run=run,
-                                      budget_seconds=float(params.get("time_budget_seconds", 240)),
+                                      budget_seconds=budget,
                                       chunk_size=int(params.get("chunk_size", 100)),
                                       now=conn.execute("select now()").fetchone()[0],
                                       allow_old_interval=bool(params.get("allow_old_interval", False)))
@@ -135,6 +157,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
     stale = float(params.get("stale_after_seconds") or settings.stale_after_seconds())
     attempts = int(params.get("max_attempts") or settings.max_attempts())
+    budget = budget_fits(context, float(params.get("time_budget_seconds", 600)))
     with send_log_connection() as conn:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
         require_current(conn)
@@ -142,7 +165,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
             summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale), max_attempts=attempts,
-                                run=run, deadline=time.monotonic() + float(params.get("time_budget_seconds", 600)))
+                                run=run, deadline=time.monotonic() + budget)
         finally:
             client.close()
     log.info("reconcile: %s", summary.as_dict())
