@@ -27,9 +27,9 @@ from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 from mailflow.alerts import default_args
 from mailflow.assets import SEND_LOG
 from mailflow.budgets import budget_description, max_budget_seconds
+from mailflow.campaigns import declared_names
 
 SEND_TIMEOUT = timedelta(minutes=15)  # execution_timeout of send_campaigns; the budget Param fits inside it
-from mailflow.campaigns import declared_names
 
 CAMPAIGN_NAMES = declared_names()  # one small TOML read at parse time: the trigger form's choices
 
