@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from mailflow import settings
+from mailflow.masking import mask_connection
 from mailflow.model import DataInterval, RunContext
 from mailflow.unsubscribe import UnsubscribeSigner, signer_from_secret
 
@@ -26,6 +27,7 @@ def unsubscribe_signer() -> UnsubscribeSigner:
     except Exception as exc:
         raise ValueError(f"connection {settings.UNSUBSCRIBE_CONN_ID!r} (unsubscribe signing secret) "
                          f"is not defined: {exc}") from None
+    mask_connection(conn)  # the secret and extra.old_keys (which still verify tokens) never reach a log
     if not conn.password:
         raise ValueError(f"connection {settings.UNSUBSCRIBE_CONN_ID!r} has no password (the signing secret)")
     extra = conn.extra_dejson or {}
@@ -82,7 +84,9 @@ def send_log_connection() -> Any:
     """A psycopg 3 connection to the send log through the Postgres provider's hook."""
     from airflow.providers.postgres.hooks.postgres import PostgresHook
 
-    return PostgresHook(postgres_conn_id=settings.SEND_LOG_CONN_ID).get_conn()
+    hook = PostgresHook(postgres_conn_id=settings.SEND_LOG_CONN_ID)
+    mask_connection(hook.get_connection(settings.SEND_LOG_CONN_ID))
+    return hook.get_conn()
 
 
 def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:

@@ -178,6 +178,10 @@ def signer_from_connection(password: str | None, extra: dict | None) -> Unsubscr
         raise ValueError("the unsubscribe connection has no password (the signing secret)")
     extra = extra or {}
     old = extra.get("old_keys") or {}
+    from mailflow.masking import mask
+
+    mask(password)  # in the API server's logs too: the current and the old keys forge tokens
+    mask(old)
     if not isinstance(old, dict) or not all(isinstance(v, str) for v in old.values()):
         raise ValueError("extra 'old_keys' must be an object {kid: secret}")
     max_age = extra.get("max_age_days")

@@ -38,13 +38,22 @@ class ResendHook(BaseHook):
         self.resend_conn_id = resend_conn_id
         self._client: ResendClient | None = None
 
+    def _connection(self) -> Any:
+        """The connection, with its API key (and any secret extra) registered with Airflow's
+        secrets masker before anything can log it (:mod:`mailflow.masking`)."""
+        from mailflow.masking import mask_connection
+
+        conn = self.get_connection(self.resend_conn_id)
+        mask_connection(conn)
+        return conn
+
     def settings(self) -> dict[str, Any]:
         """Connection settings with defaults applied (no secret): base_url, requests_per_second
         (float, requests/s), target_fraction (0-1], batch_validation, timeouts (s), pacer_conn_id.
 
         :raises ValueError: if the connection has no API key, naming the connection.
         """
-        conn = self.get_connection(self.resend_conn_id)
+        conn = self._connection()
         if not conn.password:
             raise ValueError(f"connection {self.resend_conn_id!r} has no API key (password field)")
         extra = conn.extra_dejson or {}
@@ -79,7 +88,7 @@ class ResendHook(BaseHook):
         """
         if self._client is None:
             s = self.settings()
-            conn = self.get_connection(self.resend_conn_id)
+            conn = self._connection()
             self._client = ResendClient(
                 s["base_url"], str(conn.password), pacer=pacer or self.shared_pacer(), clock=clock,
                 validation=s["batch_validation"], policy=policy, conn_id=self.resend_conn_id,
@@ -91,7 +100,7 @@ class ResendHook(BaseHook):
         """Call ``GET /domains`` (cheap, authenticated); return ``(ok, message)`` without the key."""
         try:
             s = self.settings()
-            conn = self.get_connection(self.resend_conn_id)
+            conn = self._connection()
             with httpx.Client(base_url=s["base_url"], timeout=httpx.Timeout(10.0),
                               headers={"Authorization": f"Bearer {conn.password}"}) as http:
                 resp = http.get("/domains")
