@@ -376,3 +376,36 @@ def test_absurd_nesting_and_oversized_bodies_are_client_errors(client) -> None:
     big = client.post("/emails", content=b" " * (40 * 1024 * 1024 + 1), headers={"Content-Type": "application/json"})
     assert big.status_code == 413
     assert big.json()["message"] == f"The request body is {40 * 1024 * 1024 + 1} bytes; the limit is {40 * 1024 * 1024} bytes."
+
+
+def test_idempotency_memory_survives_a_restart_with_a_store(tmp_path) -> None:
+    # Issue 17: a demo interrupted after the provider accepted a batch resends it to a NEW emulator;
+    # with the store the resend is recognised (same ids, nothing delivered twice), a different body
+    # under the key is still a conflict, and an expired record is not loaded.
+    clock = FakeClock()
+    store, outbox = tmp_path / "idem.jsonl", tmp_path / "o.jsonl"
+    cfg = EmulatorConfig(outbox=str(outbox), idempotency_store=str(store), clock=clock)
+
+    async def first(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.post("/emails/batch", json=[email(0), email(1)], headers={"Idempotency-Key": "b-1"}),
+                await c.post("/emails", json=email(2), headers={"Idempotency-Key": "old"})]
+
+    async def after_restart(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.post("/emails/batch", json=[email(0), email(1)], headers={"Idempotency-Key": "b-1"}),
+                await c.post("/emails/batch", json=[email(0)], headers={"Idempotency-Key": "b-1"}),
+                await c.post("/emails", json=email(2), headers={"Idempotency-Key": "old"})]
+
+    sent, old = run_in_process(cfg, first)
+    assert b"re_test_emulator" not in store.read_bytes()  # the API key is kept hashed
+    # make "old" older than the 24 h TTL, as if the emulator had been down for a day
+    lines = [json.loads(x) for x in store.read_text().splitlines()[:2]]
+    lines[1]["at"] -= 86401
+    store.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"torn line')
+    replay, conflict, resent = run_in_process(cfg, after_restart)
+    assert (replay.status_code, replay.content) == (200, sent.content)
+    assert (conflict.status_code, conflict.json()["name"]) == (409, "invalid_idempotent_request")
+    assert resent.status_code == 200 and resent.json()["id"] != old.json()["id"]
+    # outbox: 2 + 1 from the first life, 1 (the expired key sent again) from the second
+    assert [json.loads(x)["idempotency_key"] for x in outbox.read_text().splitlines()] == ["b-1", "b-1", "old", "old"]
+    # the journal was compacted at start-up (expired and torn lines dropped) and holds b-1 and the new "old"
+    assert [json.loads(x)["idem"] for x in store.read_text().splitlines()] == ["b-1", "old"]

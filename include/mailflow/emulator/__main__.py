@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8025, help="0 = any free port (the printed URL tells)")
     p.add_argument("--outbox", default=None, help="JSON-lines file of accepted emails (appended)")
+    p.add_argument("--idempotency-store", default=None, help="JSON-lines journal of idempotency keys "
+                   "(loaded at start, appended to): a restarted emulator still recognises a resend")
     p.add_argument("--api-key", action="append", dest="api_keys", help="accepted key (repeatable); "
                    "default re_test_emulator")
     p.add_argument("--rate-limit", type=float, default=10.0, help="requests/s per key, 0 = off")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         reset_mode=args.reset_mode, strict_only=args.strict_only, scramble_order=args.scramble_order,
         bounce=tuple(args.bounce), complain=tuple(args.complain),
         retry_after_style=args.retry_after_style, store_bodies=args.store_bodies, domain=args.domain,
-        seed=args.seed,
+        seed=args.seed, idempotency_store=args.idempotency_store,
     )
     app = create_app(config)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -73,6 +74,9 @@ class EmulatorConfig:
     domain: str = "mailflow.example"  # the one fake verified domain of GET /domains ("" = none)
     seed: int = 0  # (runtime) seeds the fault RNG (re-seeded on reset)
     idempotency_ttl_seconds: float = 86400.0  # contract: keys kept for 24 hours
+    # JSON-lines journal of idempotency records (API key hashed): loaded at start-up (records younger
+    # than the TTL), appended on every recorded 200, so a restarted emulator still recognises a resend
+    idempotency_store: str | None = None
     clock: Any = time.time  # () -> epoch seconds
 
     def __post_init__(self) -> None:
@@ -232,6 +236,12 @@ def validate_email_payload(email: Any, in_batch: bool) -> dict[str, Any]:
     }
 
 
+@lru_cache(maxsize=64)
+def _api_key_id(key: str) -> str:
+    """A stable, non-secret id of an API key (SHA-256 prefix) for idempotency scopes."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
 def _sha(value: str | None) -> str | None:
     return hashlib.sha256(value.encode()).hexdigest() if value is not None else None
 
@@ -258,7 +268,44 @@ class Emulator:
         self.initial = config
         self.cfg = config
         self._outbox = open(config.outbox, "a", encoding="utf-8") if config.outbox else None
+        self._idem_store = None
         self.reset(keep_config=False, truncate=False)  # an existing outbox is appended to, never lost
+        if config.idempotency_store:
+            self._load_idem_store(config.idempotency_store)
+
+    def _load_idem_store(self, path: str) -> None:
+        """Read the journal's live records into ``self.idem``; rewrite it with only those (a torn
+        last line from a crash is dropped), then keep it open for appending."""
+        horizon = self.now() - self.cfg.idempotency_ttl_seconds
+        live: list[str] = []
+        try:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        r = json.loads(line)
+                        slot, record = (r["key"], r["idem"]), {"digest": r["digest"], "status": int(r["status"]),
+                                                               "body": r["body"].encode(), "at": float(r["at"])}
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    if record["at"] > horizon:
+                        self.idem[slot] = record
+                        live.append(line if line.endswith("\n") else line + "\n")
+        except FileNotFoundError:
+            pass
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.writelines(live)
+        os.replace(tmp, path)
+        self._idem_store = open(path, "a", encoding="utf-8")
+        log.info("idempotency store %s: %d live key(s) loaded", path, len(self.idem))
+
+    def _remember(self, slot: tuple[str, str], record: dict[str, Any]) -> None:
+        self.idem[slot] = record
+        if self._idem_store is not None:
+            self._idem_store.write(json.dumps({"key": slot[0], "idem": slot[1], "digest": record["digest"],
+                                               "status": record["status"], "body": record["body"].decode(),
+                                               "at": record["at"]}, separators=(",", ":")) + "\n")
+            self._idem_store.flush()
 
     # -- state -----------------------------------------------------------------------------------
     def reset(self, keep_config: bool, truncate: bool = True) -> None:
@@ -281,6 +328,10 @@ class Emulator:
             self._outbox.seek(0)
             self._outbox.truncate()
             self._outbox.flush()
+        if getattr(self, "_idem_store", None) is not None and truncate:
+            self._idem_store.seek(0)
+            self._idem_store.truncate()
+            self._idem_store.flush()
 
     def now(self) -> float:
         return float(self.cfg.clock()) + self.clock_offset
@@ -383,7 +434,8 @@ class Emulator:
             raise ApiError(413, "validation_error",
                            f"The request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES} bytes.")
         digest = hashlib.sha256(request.url.path.encode() + b"\0" + body).hexdigest()
-        slot = (key, idem) if idem is not None else None
+        # scoped per API key; the key is kept hashed (the journal holds no secret)
+        slot = (_api_key_id(key), idem) if idem is not None else None
         if slot is not None:
             if slot in self.inflight:
                 raise ApiError(409, "concurrent_idempotent_requests", "Same idempotency key used while "
@@ -401,7 +453,7 @@ class Emulator:
             status, payload, emails = self._accept(body, batch, request, idem)
             out = json.dumps(payload, separators=(",", ":")).encode()
             if slot is not None:
-                self.idem[slot] = {"digest": digest, "status": status, "body": out, "at": self.now()}
+                self._remember(slot, {"digest": digest, "status": status, "body": out, "at": self.now()})
                 self._purge_idem()
         finally:
             if slot is not None:
