@@ -1,13 +1,20 @@
 """`make demo`: the whole product path on one laptop, end to end.
 
+0. one demo at a time: a second one refuses with one line (or waits, ``--wait SECONDS``);
 1. a PostgreSQL for the send log: ``AIRFLOW_CONN_SEND_LOG_DB`` if set, else the embedded server
    (``.demo/pgdata``, Unix socket only); database ``mailflow_demo``;
-2. the Resend-compatible emulator on a free port (outbox ``.demo/outbox.jsonl``, cap 10 requests/s);
+2. the Resend-compatible emulator on a free port, cap 10 requests/s. Its outbox and idempotency
+   memory belong to the database, not to the checkout: ``.demo/send-logs/<db identity>/`` (see
+   :func:`mailflow.devenv.database_identity`), so a restarted emulator recognises a resend and a
+   fresh database starts with a fresh outbox;
 3. migrations, demo data (5,000 synthetic users, seed 42, loaded once);
 4. ``airflow dags test lifecycle_emails`` for the latest complete hour (Airflow metadata in
    ``.demo/airflow``, SQLite);
-5. a per-campaign table read back from ``mail.send_log`` and an audit of the outbox against it.
-It stops what it started (the emulator and, unless ``--keep-db``, the embedded server).
+5. the reconciler (:func:`mailflow.repair.reconcile`): rows an interrupted earlier demo left
+   ``sending`` are resent under their key and bytes (the emulator replays what it accepted);
+6. a per-campaign table read back from ``mail.send_log`` and an audit of the outbox against it.
+It stops what it started: the emulator, and the embedded server only if this run started it, no
+other client uses it and ``--keep-db`` is not given.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from mailflow.emulator.testing import EmulatorProcess
 from mailflow.migrate import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
-STATE = ROOT / ".demo"
+STATE = devenv.STATE
+EXIT_BUSY = 3
 
 
 def secret_file(name: str) -> str:
@@ -83,9 +91,53 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--keep-db", action="store_true", help="leave the embedded PostgreSQL running")
     p.add_argument("--reset", action="store_true", help="reload the demo users (the send log is kept)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="if another demo is running, wait up to this long instead of refusing at once")
     args = p.parse_args()
-    STATE.mkdir(exist_ok=True)
+    STATE.mkdir(parents=True, exist_ok=True)
+    try:
+        with devenv.exclusive("demo", wait=args.wait):
+            return run(args)
+    except devenv.Busy as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+
+
+def reconcile_after(dsn: str, emulator_url: str, api_key: str, *, external: bool) -> dict[str, int]:
+    """The reconciler on the demo's database (its public entry point, :func:`mailflow.repair.reconcile`).
+
+    Claims are live only while a sender runs. The demo holds the lock and its own run has ended, so
+    on the embedded server (reachable from this checkout only) every ``sending`` row is an orphan of
+    an interrupted demo, unless ``make airflow`` is up (its scheduler may be sending): then, and on
+    an external database, only claims older than the usual stale threshold are touched.
+    """
+    from mailflow import settings
+    from mailflow.provider.client import ResendClient
+    from mailflow.provider.pacing import PostgresPacer
+    from mailflow.repair import reconcile
+
+    live_senders_possible = external or devenv.local_airflow_pid() is not None
+    stale_after = timedelta(seconds=settings.stale_after_seconds() if live_senders_possible else 0)
+    pacer = PostgresPacer(lambda: psycopg.connect(dsn), account=emulator_url, requests_per_second=10,
+                          target_fraction=0.8)
+    client = ResendClient(emulator_url, api_key, pacer=pacer)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            now = conn.execute("select now()").fetchone()[0]
+            summary = reconcile(conn, client, now=now, stale_after=stale_after,
+                                max_attempts=settings.max_attempts())
+    finally:
+        client.close()
+        close = getattr(pacer, "close", None)
+        if close:
+            close()
+    return {k: v for k, v in summary.as_dict().items() if isinstance(v, int)}
+
+
+def run(args: argparse.Namespace) -> int:
+    """The demo itself, under the lock."""
     started = time.monotonic()
+    bad: dict[str, int] = {}
 
     external = os.environ.get("AIRFLOW_CONN_SEND_LOG_DB")
     if external:
@@ -98,23 +150,31 @@ def main() -> int:
                              f"{str(exc).strip()}). Expected a postgresql:// URI or Airflow connection JSON "
                              "of a reachable database; unset it to use the embedded PostgreSQL.") from None
         print(f"send log: the database of AIRFLOW_CONN_SEND_LOG_DB ({dbname})")
+        started_server = False
     else:
+        started_server = not devenv.embedded_running()
         dsn = devenv.create_database(devenv.embedded_dsn(), "mailflow_demo")
-        print(f"send log: embedded PostgreSQL in {STATE / 'pgdata'}, database mailflow_demo")
+        print(f"send log: embedded PostgreSQL in {STATE / 'pgdata'}, database mailflow_demo "
+              f"({'started' if started_server else 'already running'}; DSN {dsn})")
 
     end = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     start = end - timedelta(hours=1)
-    outbox = STATE / "outbox.jsonl"
     api_key = "re_demo_" + secret_file("emulator.key")[:16]
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
+            state = devenv.database_state(conn)
+            outbox, idem_store = state / "outbox.jsonl", state / "idempotency.jsonl"
+            legacy = STATE / "outbox.jsonl"  # before per-database state: the embedded database's outbox
+            if not external and legacy.exists() and not outbox.exists():
+                legacy.rename(outbox)
             applied = migrate(conn)
             print("migrations: " + (", ".join(applied) if applied else "up to date"))
             loaded = load_demo_data(conn, users=args.users, seed=args.seed, anchor=end, reset=args.reset)
             print(f"demo data: {loaded}")
             before = conn.execute("select count(*) from mail.send_log where status = 'sent'").fetchone()[0]
 
-        with EmulatorProcess(outbox=outbox, api_key=api_key, rate_limit=10, control=False) as emu:
+        with EmulatorProcess(outbox=outbox, api_key=api_key, rate_limit=10, control=False,
+                             idempotency_store=idem_store) as emu:
             print(f"email API emulator: {emu.base_url} (outbox {outbox})")
             env = airflow_env(dsn, emu.base_url, api_key)
             if not (STATE / "airflow" / "airflow.db").exists():
@@ -126,6 +186,9 @@ def main() -> int:
             # Interval timetables in Airflow 3: the logical date of a run is its data interval's end.
             airflow(env, "dags", "test", "lifecycle_emails", end.isoformat())
             took = time.monotonic() - t0
+            repaired = reconcile_after(dsn, emu.base_url, api_key, external=bool(external))
+            print("reconciler: " + (", ".join(f"{k}={v}" for k, v in repaired.items() if v)
+                                    or "nothing left over from an earlier run"))
 
         with psycopg.connect(dsn, autocommit=True) as conn:
             after = conn.execute("select count(*) from mail.send_log where status = 'sent'").fetchone()[0]
@@ -141,14 +204,21 @@ def main() -> int:
                   + ("" if new else " (nothing new: everyone in this interval was already emailed or is in cooldown)"))
             result = audit(conn, outbox)
             print("audit (send log vs outbox): " + ", ".join(f"{k}={v}" for k, v in result.items()))
-            print(f"outbox: {outbox}   query the send log: make psql")
+            print(f"outbox: {outbox}   query the send log: make psql   the Airflow UI: make airflow")
             bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
             if bad:
                 print(f"AUDIT FAILED: {bad}: the outbox {outbox} holds emails the send log does not explain "
                       "(was another emulator writing to it?)", file=sys.stderr)
     finally:
-        if not external and not args.keep_db:
-            devenv.stop_embedded()
+        if started_server and not args.keep_db:
+            others = devenv.other_clients(dsn)
+            if others:
+                print(f"embedded PostgreSQL left running: {others} other client(s) connected (make stop stops it)")
+            else:
+                devenv.stop_embedded()
+        elif not external:
+            print("embedded PostgreSQL left running (" + ("--keep-db" if started_server else
+                  "this demo did not start it") + "); make stop stops it")
     print(f"demo took {time.monotonic() - started:.1f} s")
     return 1 if bad else 0
 

