@@ -147,6 +147,9 @@ def run_lifecycle(
             if minted.page_size == 0:
                 break
             cursor = minted.cursor
+            summary.invalid += minted.invalid
+            summary.duplicates += minted.duplicates
+            summary.held += minted.held
             if minted.batch is None:
                 continue
             summary.chunks += 1
@@ -171,9 +174,11 @@ def run_lifecycle(
                 # the reconciler) go on with the next page; the next run retries those users.
         if summary.minted and summary.failed == summary.minted:
             fatal.append(f"{campaign.name}: every one of {summary.minted} emails was rejected by the provider")
-        log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, skipped %d%s",
+        log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, invalid address %d, "
+                 "duplicate address %d, held by the contact policy %d, skipped %d%s",
                  campaign.name, summary.eligible, summary.minted, summary.sent, summary.failed,
-                 summary.released, summary.unknown, summary.skipped,
+                 summary.released, summary.unknown, summary.invalid, summary.duplicates, summary.held,
+                 summary.skipped,
                  f" (stopped: {summary.stopped})" if summary.stopped else "")
     if fatal:
         raise SendError("; ".join(fatal), summaries)

@@ -116,7 +116,11 @@ Outcome = Accepted | NotSent | Unknown | Refused
 @dataclass
 class CampaignSummary:
     """Counts for one campaign in one run (emails). ``eligible`` is the audience after exclusions at
-    the start of the campaign; ``skipped`` = eligible users not minted (time budget or stop)."""
+    the start of the campaign; ``invalid`` = rows failed locally (address rejected by the validator,
+    no request), ``duplicates`` = rows recorded as ``duplicate`` (another user got the campaign at the
+    same normalised address), ``held`` = users the contact guard held back at mint (a claim that
+    committed after the audience was read); ``skipped`` = eligible users not decided (time budget or
+    stop)."""
 
     campaign: str
     eligible: int = 0
@@ -127,10 +131,13 @@ class CampaignSummary:
     unknown: int = 0
     chunks: int = 0
     stopped: str | None = None
+    invalid: int = 0
+    duplicates: int = 0
+    held: int = 0
 
     @property
     def skipped(self) -> int:
-        return max(self.eligible - self.minted, 0)
+        return max(self.eligible - self.minted - self.invalid - self.duplicates - self.held, 0)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +151,9 @@ class CampaignSummary:
             "skipped": self.skipped,
             "chunks": self.chunks,
             "stopped": self.stopped,
+            "invalid": self.invalid,
+            "duplicates": self.duplicates,
+            "held": self.held,
         }
 
 

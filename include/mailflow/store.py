@@ -18,6 +18,7 @@ from psycopg.types.json import Jsonb
 from mailflow import settings
 from mailflow.campaigns import Campaign
 from mailflow.model import Accepted, MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext, Unknown
+from mailflow.policy import Contact, ContactPolicy, Hold, contacts_from_rows, evaluate, normalise_address
 from mailflow.sql import query
 
 
@@ -33,6 +34,9 @@ class MintResult:
     cursor: int
     batch: PreparedBatch | None
     rows: tuple[MintedRow, ...] = ()
+    invalid: int = 0
+    duplicates: int = 0
+    held: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,18 +89,26 @@ class PostgresStore:
         key = (name, campaign.name)
         if key not in self._sql_cache:
             # The audience file is trusted, version-controlled SQL (not input): composed in as SQL.
-            eligible = pgsql.SQL(query("lifecycle", "eligible")).format(audience=pgsql.SQL(campaign.audience_sql))
+            eligible = pgsql.SQL(query("lifecycle", "eligible")).format(
+                audience=pgsql.SQL(campaign.audience_sql), caps=_caps_sql(campaign.contact_policy))
             self._sql_cache[key] = pgsql.SQL(query("lifecycle", name)).format(eligible=eligible)
         return self._sql_cache[key]
 
     @staticmethod
     def _params(campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> dict[str, Any]:
-        return {"campaign": campaign.name, "window_start": window[0], "window_end": window[1],
-                "cooldown_since": cooldown_since, "cooldown_until": cooldown_since + 2 * campaign.cooldown,
-                "max_attempts": settings.max_attempts()}
+        ref = cooldown_since + campaign.cooldown  # the interval end
+        out = {"campaign": campaign.name, "window_start": window[0], "window_end": window[1],
+               "cooldown_since": cooldown_since, "cooldown_until": cooldown_since + 2 * campaign.cooldown,
+               "cooldown": campaign.cooldown, "exempt": campaign.exempt, "max_attempts": settings.max_attempts()}
+        for i, cap in enumerate(campaign.contact_policy.extra_caps()):
+            out |= {f"cap_since_{i}": ref - cap.window, f"cap_until_{i}": ref + cap.window,
+                    f"cap_window_{i}": cap.window, f"cap_emails_{i}": cap.emails}
+        return out
 
     def count_audience(self, campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> int:
-        """Audience size after exclusions (emails), read in its own short transaction."""
+        """Audience size after exclusions (emails), read in its own short transaction. The contact
+        policy is the same pre-filter the mint starts from (cooldown, caps, suppression); the mint
+        re-checks each user under the contact guard, so this is an upper bound of what is minted."""
         with self.conn.transaction():
             row = self.conn.execute(self._audience_sql("audience_count", campaign),
                                     self._params(campaign, window, cooldown_since)).fetchone()
@@ -105,29 +117,86 @@ class PostgresStore:
     def mint_chunk(self, campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime,
                    after: int, limit: int, run: RunContext, interval: tuple[datetime, datetime],
                    prepare: Callable[[Sequence[MintedRow]], PreparedBatch]) -> MintResult:
-        """Read the next audience page, mint it, render it and store the batch, in ONE transaction.
+        """Read the next audience page, pass it through the contact guard, mint it, render it and
+        store the batch, in ONE transaction.
 
-        Either all of it commits (rows ``sending`` with their batch bytes, re-sendable by the
-        reconciler) or none of it does (a crash here sends nothing and leaves nothing behind).
+        The guard (docs/model.md, "The contact policy"): addresses are normalised and checked
+        (invalid: a ``failed`` row with the validator's reason, no request); suppression is matched
+        on the normalised address; addresses the provider rejected earlier in this run are left
+        out; the users' ``mail.contact`` rows are locked (user_id order) and the policy is
+        re-evaluated on what is committed now, so a concurrent claim of another path or run for the
+        same user is seen; a second user at an address the campaign already mails gets a
+        ``duplicate`` row naming the first. Either all of it commits (rows ``sending`` with their
+        batch bytes, re-sendable by the reconciler) or none of it does.
         """
         params = self._params(campaign, window, cooldown_since) | {"after": after, "limit": limit}
+        who = {"campaign": campaign.name, "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id,
+               "interval_start": interval[0], "interval_end": interval[1]}
         with self.conn.transaction():
             page = self.conn.execute(self._audience_sql("audience_page", campaign), params).fetchall()
             if not page:
                 return MintResult(page_size=0, cursor=after, batch=None)
             cursor = max(r[0] for r in page)
-            minted = self.conn.execute(query("lifecycle", "mint"), {
-                "campaign": campaign.name,
-                "page": Jsonb([{"user_id": r[0], "email": r[1], "context": r[2]} for r in page]),
-                "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id,
-                "interval_start": interval[0], "interval_end": interval[1],
-            }).fetchall()
+            addresses = {int(r[0]): normalise_address(r[1]) for r in page}
+            decided = [{"user_id": r[0], "email": (r[1] or "").strip(), "context": r[2], "status": "failed",
+                        "error": f"invalid address: {addresses[r[0]].error}"} for r in page if not addresses[r[0]].valid]
+            valid = [r for r in page if addresses[r[0]].valid]
+            keys = sorted({k for r in valid for k in addresses[r[0]].keys})
+            barred: set[str] = set()
+            if keys:
+                barred = {x[0] for x in self.conn.execute(query("contact", "suppressed_addresses"),
+                                                          {"keys": keys, "campaign": campaign.name})}
+                if run.run_id is not None:
+                    barred |= {x[0] for x in self.conn.execute(query("lifecycle", "rejected_in_run"),
+                                                               {"keys": keys, "run_id": run.run_id})}
+            valid = [r for r in valid if not barred.intersection(addresses[r[0]].keys)]
+            held = 0
+            if valid:
+                uids = [int(r[0]) for r in valid]
+                now = lock_contacts(self.conn, uids)
+                policy = campaign.contact_policy
+                if not campaign.exempt and policy.rules:
+                    ref = cooldown_since + campaign.cooldown
+                    contacts = load_contacts(self.conn, uids, policy, ref=ref, now=now, include_planned=True)
+                    ok = [r for r in valid if evaluate(policy, contacts.get(int(r[0]), ()), ref=ref, now=now) is None]
+                    held = len(valid) - len(ok)
+                    valid = ok
+            minted: list[Any] = []
+            if valid:
+                minted = self.conn.execute(query("lifecycle", "mint"), who | {"page": Jsonb([
+                    {"user_id": r[0], "email": addresses[r[0]].send, "email_key": addresses[r[0]].key,
+                     "context": r[2]} for r in valid])}).fetchall()
+                got = {int(m[1]) for m in minted}
+                lost = [r for r in valid if int(r[0]) not in got]
+                if lost:
+                    decided += self._duplicates(campaign, lost, addresses)
+            duplicates = sum(1 for d in decided if d["status"] == "duplicate")
+            if decided:
+                self.conn.execute(query("lifecycle", "mint_decided"), who | {"page": Jsonb(decided)})
             if not minted:
-                return MintResult(page_size=len(page), cursor=cursor, batch=None)
+                return MintResult(page_size=len(page), cursor=cursor, batch=None, invalid=len(decided) - duplicates,
+                                  duplicates=duplicates, held=held)
             rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in minted)
             batch = prepare(rows)
             self._save_batch(batch)
-        return MintResult(page_size=len(page), cursor=cursor, batch=batch, rows=rows)
+        return MintResult(page_size=len(page), cursor=cursor, batch=batch, rows=rows,
+                          invalid=len(decided) - duplicates, duplicates=duplicates, held=held)
+
+    def _duplicates(self, campaign: Campaign, lost: Sequence[Any], addresses: dict[int, Any]) -> list[dict[str, Any]]:
+        """Rows of ``lost`` (not minted) that lost to another user's live email of this campaign at the
+        same normalised address: ``duplicate`` rows naming that user. Users that lost the (user,
+        campaign) race to a concurrent run are not recorded (that run's row stands)."""
+        holders = {k: (int(u), int(i)) for k, u, i in self.conn.execute(query("lifecycle", "address_holders"), {
+            "campaign": campaign.name, "keys": sorted({addresses[r[0]].key for r in lost})})}
+        out = []
+        for r in lost:
+            key = addresses[r[0]].key
+            holder = holders.get(key)
+            if holder is None or holder[0] == int(r[0]):
+                continue
+            out.append({"user_id": r[0], "email": addresses[r[0]].send, "context": r[2], "status": "duplicate",
+                        "error": f"duplicate address: {key} got this campaign as user {holder[0]} (row {holder[1]})"})
+        return out
 
     def _save_batch(self, batch: PreparedBatch) -> None:
         self.conn.execute(query("send_log", "save_batch"), {
@@ -195,8 +264,8 @@ class PostgresStore:
             params = self._params(c, window, since) | {"after": 0, "limit": sample}
             with self.conn.transaction():
                 rows = self.conn.execute(self._audience_sql("audience_page", c), params).fetchall()
-            emails = [renderer.render_email(c, MintedRow(id=0, user_id=r[0], email=r[1], context=r[2] or {}))
-                      for r in rows]
+            emails = [renderer.render_email(c, MintedRow(id=0, user_id=r[0], email=a.send, context=r[2] or {}))
+                      for r in rows if (a := normalise_address(r[1])).valid]
             out.append({
                 "campaign": c.name,
                 "eligible": self.count_audience(c, window, since),
@@ -204,6 +273,55 @@ class PostgresStore:
                 "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails],
             })
         return out
+
+
+def _caps_sql(policy: ContactPolicy) -> pgsql.Composable:
+    """One count probe per frequency cap the cooldown does not imply (``lifecycle.eligible``'s
+    ``{caps}``): fewer than ``emails`` contacts within the cap's window of the email."""
+    parts = []
+    for i in range(len(policy.extra_caps())):
+        parts.append(pgsql.SQL(
+            "and (select count(*) from mail.send_log c where c.user_id = a.user_id"
+            " and ((c.status = 'sent' and c.sent_at >= {since}) or c.status = 'sending'"
+            " or (c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)"
+            " < greatest({until}::timestamptz, now() + {window}::interval)))) < {emails}"
+        ).format(since=pgsql.Placeholder(f"cap_since_{i}"), until=pgsql.Placeholder(f"cap_until_{i}"),
+                 window=pgsql.Placeholder(f"cap_window_{i}"), emails=pgsql.Placeholder(f"cap_emails_{i}")))
+    return pgsql.SQL("\n  ").join(parts)
+
+
+def lock_contacts(conn: psycopg.Connection, user_ids: Sequence[int]) -> datetime:
+    """The contact guard, inside the caller's transaction: create the users' ``mail.contact`` rows
+    if needed and lock them FOR UPDATE in user_id order (waits for any other claimer of these users
+    to commit). Returns the database clock (the claim's "now", aware UTC).
+
+    Every later statement of the transaction sees each claim committed before the lock: re-check
+    the policy with :func:`load_contacts` after this call, never before.
+    """
+    ids = sorted(set(int(u) for u in user_ids))
+    conn.execute(query("contact", "ensure_contacts"), {"ids": ids})
+    conn.execute(query("contact", "lock_contact_rows"), {"ids": ids})
+    row = conn.execute(query("contact", "db_now")).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def load_contacts(conn: psycopg.Connection, user_ids: Sequence[int], policy: ContactPolicy, *, ref: datetime,
+                  now: datetime, include_planned: bool, except_ids: Sequence[int] = ()) -> dict[int, list[Contact]]:
+    """The users' contacts that any rule of ``policy`` can see (sent since ``min(ref, now) - widest
+    window``, in flight, and with ``include_planned`` planned before ``now + widest window``),
+    grouped by user; rows ``except_ids`` (the ones being claimed) are left out."""
+    widest = policy.widest()
+    rows = conn.execute(query("contact", "contacts_of"), {
+        "ids": sorted(set(int(u) for u in user_ids)), "except_ids": list(except_ids),
+        "since": min(ref, now) - widest, "until": now + widest, "include_planned": include_planned}).fetchall()
+    return contacts_from_rows(rows)
+
+
+def policy_hold(policy: ContactPolicy, contacts: dict[int, list[Contact]], user_id: int, *, ref: datetime,
+                now: datetime) -> Hold | None:
+    """:func:`mailflow.policy.evaluate` for one user of a :func:`load_contacts` result."""
+    return evaluate(policy, contacts.get(int(user_id), ()), ref=ref, now=now)
 
 
 def mask_email(address: str) -> str:

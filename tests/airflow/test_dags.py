@@ -215,7 +215,7 @@ def assert_sent_run(dr: Any, end: datetime, rows: list[tuple[Any, ...]], expecte
     for s in summary:
         n = sent[s["campaign"]]
         assert s == {"campaign": s["campaign"], "eligible": n, "minted": n, "sent": n, "failed": 0, "released": 0,
-                     "unknown": 0, "skipped": 0, "chunks": 1, "stopped": None}
+                     "unknown": 0, "skipped": 0, "chunks": 1, "stopped": None, "invalid": 0, "duplicates": 0, "held": 0}
 
 
 @pytest.mark.airflow

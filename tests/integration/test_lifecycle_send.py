@@ -7,6 +7,7 @@ audience rules by hand; the outbox (what the emulator accepted) is the witness o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -319,19 +320,23 @@ class RacingConnection:
         return cur
 
 
-def test_on_conflict_the_claimed_set_is_what_the_insert_returned(rig: Rig) -> None:
+@pytest.mark.parametrize("exempt", [False, True])
+def test_on_conflict_the_claimed_set_is_what_the_insert_returned(rig: Rig, exempt: bool) -> None:
     for uid in (1, 2, 3):
         add_user(rig.db, uid)
     conn = psycopg.connect(rig.dsn)
     rig.conns.append(conn)
     racing = RacingConnection(conn, rig.db, uid=2, campaign="a")
-    [s] = rig.run([simple_campaign("a", 1)], store=PostgresStore(racing))  # type: ignore[arg-type]
+    campaign = dataclasses.replace(simple_campaign("a", 1), exempt=exempt)
+    [s] = rig.run([campaign], store=PostgresStore(racing))  # type: ignore[arg-type]
     assert racing.fired
     rows = rig.rows()
     assert [(r["user_id"], r["status"], r["run_id"]) for r in rows] == [
         (2, "sending", "concurrent-run"), (1, "sent", RUN.run_id), (3, "sent", RUN.run_id)]
-    # the page had 3 candidates, the insert claimed 2; the batch carries only those
-    assert (s.eligible, s.minted, s.sent, s.skipped, s.chunks) == (3, 2, 2, 1, 1)
+    # the page had 3 candidates, 2 were claimed; the batch carries only those. Under the policy the
+    # contact guard sees the concurrent claim (held); an exempt campaign loses the ON CONFLICT race.
+    assert (s.eligible, s.minted, s.sent, s.held, s.skipped, s.chunks) == (3, 2, 2, 0 if exempt else 1,
+                                                                             1 if exempt else 0, 1)
     [batch] = rig.db.execute("select email_count, body from mail.send_batch").fetchall()
     assert batch[0] == 2
     assert [e["to"] for e in json.loads(bytes(batch[1]))] == [["user1@example.com"], ["user3@example.com"]]
@@ -341,15 +346,17 @@ def test_on_conflict_the_claimed_set_is_what_the_insert_returned(rig: Rig) -> No
 # -- provider outcomes ---------------------------------------------------------------------------
 
 def test_a_rejection_in_the_middle_of_a_permissive_batch(rig: Rig) -> None:
-    addresses = [add_user(rig.db, uid, email="not an address" if uid == 3 else None) for uid in range(1, 6)]
-    [s] = rig.run([simple_campaign("a", 1)])
+    # user 3's subject renders empty: the provider rejects that one email of the batch
+    addresses = [add_user(rig.db, uid, first_name="" if uid == 3 else None) for uid in range(1, 6)]
+    campaign = dataclasses.replace(simple_campaign("a", 1), subject="{{ user.first_name }}")
+    [s] = rig.run([campaign])
     rows = rig.rows()
     assert [r["email"] for r in rows] == addresses
     assert [r["batch_index"] for r in rows] == [0, 1, 2, 3, 4]
     failed = rows[2]
     assert (failed["user_id"], failed["status"], failed["provider_message_id"], failed["released_at"]) == (
         3, "failed", None, None)
-    assert failed["error"] == f"Invalid `to` field. The email address {ADDRESS_FORMAT}"
+    assert failed["error"] == "Invalid `subject` field. It must be a non-empty string."
     outbox = rig.outbox()
     assert [e["batch_index"] for e in outbox] == [0, 1, 3, 4]
     ids = sent_to(rig)
@@ -364,9 +371,10 @@ def test_a_rejection_in_the_middle_of_a_permissive_batch(rig: Rig) -> None:
 
 def test_every_email_rejected_raises_after_recording(rig: Rig) -> None:
     for uid in (1, 2):
-        add_user(rig.db, uid, email=f"bad{uid}@@example")
+        add_user(rig.db, uid, first_name="")
+    campaign = dataclasses.replace(simple_campaign("a", 1), subject="{{ user.first_name }}")
     with pytest.raises(SendError, match=r"^a: every one of 2 emails was rejected by the provider$") as err:
-        rig.run([simple_campaign("a", 1)])
+        rig.run([campaign])
     assert [(s.minted, s.failed) for s in err.value.summaries] == [(2, 2)]
     assert [r["status"] for r in rig.rows()] == ["failed", "failed"]
     assert rig.outbox() == []

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from mailflow.model import DataInterval, as_timedelta
+from mailflow.policy import Cap, ContactPolicy, policy_from_mapping
 
 CAMPAIGNS_DIR = Path(__file__).parent
 _REQUIRED = ("name", "priority", "audience", "template", "subject")
@@ -24,7 +25,11 @@ class Campaign:
     :ivar priority: 1 is the highest; campaigns run in ascending priority and a minted row excludes
         the user from every later campaign of the run (cooldown).
     :ivar audience_sql: the campaign's own rule (SQL text, ``%(window_start)s``/``%(window_end)s``).
-    :ivar cooldown: nobody with a live or sent email (any campaign) within this span is selected.
+    :ivar cooldown: nobody with a live or sent email (any campaign) within this span is selected
+        (the contact policy's cooldown, ``[policy] cooldown``).
+    :ivar caps: the contact policy's frequency caps (``[policy] caps``), see :mod:`mailflow.policy`.
+    :ivar exempt: transactional mail (``policy = "exempt"``): not held back by the cooldown or caps
+        (its emails still count as contacts for every other campaign).
     :ivar audience_window: the audience looks at ``[interval.end - audience_window, interval.end)``.
     :ivar max_interval_age: a run whose data interval ended longer ago than this (a backfill of an
         old interval) sends nothing for this campaign unless the run allows old intervals: its
@@ -42,6 +47,13 @@ class Campaign:
     audience_window: timedelta
     marketing: bool = True
     max_interval_age: timedelta = timedelta(hours=6)
+    caps: tuple[Cap, ...] = ()
+    exempt: bool = False
+
+    @property
+    def contact_policy(self) -> ContactPolicy:
+        """The contact policy this campaign's emails are checked against."""
+        return ContactPolicy(cooldown=self.cooldown, caps=self.caps)
 
     def window(self, interval: DataInterval) -> tuple:
         """Return ``(window_start, window_end)`` (aware, UTC) for a run's data interval."""
@@ -71,6 +83,8 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
     path = path or CAMPAIGNS_DIR / "lifecycle.toml"
     doc = tomllib.loads(path.read_text(encoding="utf-8"))
     defaults = doc.get("defaults", {})
+    policy = policy_from_mapping(doc.get("policy", {}), default_cooldown=str(defaults.get("cooldown", "P7D")),
+                                 label=f"{path.name} [policy]")
     out: list[Campaign] = []
     for i, raw in enumerate(doc.get("campaign", [])):
         merged = {**defaults, **raw}
@@ -86,8 +100,14 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
             t = base / "templates" / f"{merged['template']}{suffix}"
             if not t.is_file():
                 raise ValueError(f"{path.name}: campaign {label!r}: template {t} not found")
+        if "cooldown" in raw:
+            raise ValueError(f"{path.name}: campaign {label!r}: the cooldown is set once for every campaign, "
+                             f"in [policy] (a transactional campaign sets policy = \"exempt\")")
+        if merged.get("policy", "apply") not in ("apply", "exempt"):
+            raise ValueError(f"{path.name}: campaign {label!r}: policy must be \"apply\" or \"exempt\", "
+                             f"got {merged.get('policy')!r}")
         try:
-            cooldown = as_timedelta(merged.get("cooldown", "P7D"))
+            cooldown = policy.cooldown
             window = as_timedelta(merged.get("audience_window", "PT1H"))
             max_age = as_timedelta(merged.get("max_interval_age", "PT6H"))
         except ValueError as exc:
@@ -105,6 +125,8 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
                 audience_window=window,
                 marketing=bool(merged.get("marketing", True)),
                 max_interval_age=max_age,
+                caps=policy.caps,
+                exempt=merged.get("policy", "apply") == "exempt",
             )
         )
     names = [c.name for c in out]

@@ -4,11 +4,16 @@
 -- Exclusions:
 --   dedupe:      the user already has a live row for this campaign (unique key send_log_user_campaign_uq);
 --   attempts:    max_attempts whole-request failures for this campaign already (a dead letter);
---   cooldown:    any campaign's email within the cooldown on either side of the interval end:
---                sent since cooldown_since (no upper bound, so a backfill also sees what was
---                sent after its interval), in flight ('sending'), or planned ('pending') before
---                cooldown_until (a scheduled email weeks away does not block today's);
---   suppression: the user or the address is suppressed for all mail or for this campaign.
+--   cooldown:    any campaign's email within the cooldown of the email's decision: sent since
+--                cooldown_since = interval end - cooldown (no upper bound, so a backfill also sees
+--                what was sent after its interval), in flight ('sending'), or planned ('pending')
+--                before cooldown_until = greatest(interval end, now()) + cooldown: measured from the
+--                ACTUAL send time (now), so a backfill never sends inside a planned email's cooldown;
+--   caps:        one count probe per frequency cap the cooldown does not imply (policy.py);
+--   suppression: the user or the (trimmed, case-folded) address is suppressed for all mail or for
+--                this campaign.
+-- This is the pre-filter (and the audience count); the authoritative check is repeated per user at
+-- mint, under the contact guard (store.mint_chunk).
 select a.user_id, a.email, to_jsonb(a) - 'user_id' - 'email' as context
 from (
 {audience}
@@ -18,18 +23,22 @@ where not exists (select 1 from mail.send_log d
   and (select count(*) from mail.send_log r
        where r.user_id = a.user_id and r.campaign = %(campaign)s and r.released_at is not null) < %(max_attempts)s
   -- (two probes, each a plain index condition on send_log_cooldown_idx: measurably faster at 1M
-  -- users than one probe with a CASE; see docs/performance.md)
-  and not exists (select 1 from mail.send_log c
+  -- users than one probe with a CASE; see docs/performance.md). An exempt campaign (transactional
+  -- mail, `policy = "exempt"`) skips the cooldown and caps: the constant folds away.
+  and (%(exempt)s::boolean or (
+      not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id and c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
   and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id
                     and (c.status = 'sending'
                          or (c.status = 'pending'
-                             and coalesce(c.scheduled_at, c.minted_at) < %(cooldown_until)s)))
+                             and coalesce(c.scheduled_at, c.minted_at)
+                                 < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval))))
+  {caps}))
   and not exists (select 1 from mail.suppression s
                   where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
   and not exists (select 1 from mail.suppression s
-                  where lower(s.email) = lower(a.email) and s.scope in ('all', %(campaign)s))
+                  where lower(s.email) = lower(btrim(a.email, E' \t\r\n')) and s.scope in ('all', %(campaign)s))
 
 -- name: audience_page
 -- The next page of the eligible audience in user_id order (keyset pagination: each page is an
@@ -49,20 +58,54 @@ select count(*) from (
 ) as e
 
 -- name: mint
--- Mint one chunk as claimed ('sending') rows. ON CONFLICT DO NOTHING on the live unique key:
--- the claimed set is exactly the rows RETURNING gives back (a concurrent run's row is never
--- sent twice). The 'minted' event is appended in the same statement.
+-- Mint one chunk as claimed ('sending') rows, under the contact guard (the caller holds the users'
+-- mail.contact locks and has re-checked the policy). ON CONFLICT DO NOTHING on every unique key:
+-- the live (user, campaign) key (a concurrent run's row is never sent twice) and the live
+-- (campaign, email_key) key (one email per normalised address: the caller records the losers as
+-- 'duplicate'). The claimed set is exactly the rows RETURNING gives back. The 'minted' event is
+-- appended in the same statement.
 with minted as (
-    insert into mail.send_log (user_id, campaign, kind, email, context, status, claimed_at, attempts,
+    insert into mail.send_log (user_id, campaign, kind, email, email_key, context, status, claimed_at, attempts,
                                dag_id, run_id, task_id, data_interval_start, data_interval_end)
-    select p.user_id, %(campaign)s, 'lifecycle', p.email, p.context, 'sending', now(), 1,
+    select p.user_id, %(campaign)s, 'lifecycle', p.email, p.email_key, p.context, 'sending', now(), 1,
            %(dag_id)s, %(run_id)s, %(task_id)s, %(interval_start)s, %(interval_end)s
-    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, context jsonb)
+    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, email_key text, context jsonb)
     order by p.user_id
-    on conflict (user_id, campaign) where released_at is null do nothing
+    on conflict do nothing
     returning id, user_id, email, context
 ), ev as (
     insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
     select id, null, 'sending', 1, %(dag_id)s, %(run_id)s, %(task_id)s from minted
 )
 select id, user_id, email, context from minted order by id
+
+-- name: mint_decided
+-- Rows decided locally, never requested: 'failed' (invalid address, the validator's reason) or
+-- 'duplicate' (another user of the campaign got it at this address: the reason names them). They
+-- keep the live (user, campaign) key, so the user is not selected again for this campaign. The
+-- event carries the reason.
+with made as (
+    insert into mail.send_log (user_id, campaign, kind, email, context, status, error, attempts,
+                               dag_id, run_id, task_id, data_interval_start, data_interval_end)
+    select p.user_id, %(campaign)s, 'lifecycle', p.email, p.context, p.status, p.error, 0,
+           %(dag_id)s, %(run_id)s, %(task_id)s, %(interval_start)s, %(interval_end)s
+    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, context jsonb, status text, error text)
+    order by p.user_id
+    on conflict (user_id, campaign) where released_at is null do nothing
+    returning id, status, error
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, null, status, 0, error, %(dag_id)s, %(run_id)s, %(task_id)s from made
+returning send_log_id
+
+-- name: address_holders
+-- Who holds the campaign's live email at these normalised addresses (the 'duplicate' reason).
+select email_key, user_id, id from mail.send_log
+where campaign = %(campaign)s and email_key = any(%(keys)s::text[]) and status in ('pending', 'sending', 'sent')
+
+-- name: rejected_in_run
+-- Normalised addresses the provider rejected earlier in this run (any campaign): a lower-priority
+-- campaign does not try them again in the same run.
+select distinct email_key from mail.send_log
+where run_id = %(run_id)s and email_key = any(%(keys)s::text[])
+  and status = 'failed' and released_at is null and dead_lettered_at is null and attempts > 0

@@ -1,0 +1,230 @@
+"""The contact policy (cooldown, frequency caps) and address hygiene, shared by every sending path.
+
+**The policy** (docs/model.md, "The contact policy") is configured once, in the ``[policy]`` section
+of ``campaigns/lifecycle.toml``: a cooldown across all campaigns and frequency caps ("at most N
+emails per rolling window W"). The cooldown is the cap ``(1, cooldown)``. A cap ``(N, W)`` holds a
+new email back when N contacts of the user already lie within W of it:
+
+* a **contact** is an email of any campaign and kind that was sent (``sent``, at ``sent_at``), is in
+  flight (``sending``: claimed, or of unknown outcome; counted as "now", inside every window) or,
+  for lifecycle mail only, is planned (``pending``, at ``scheduled_at``: a planned scheduled email
+  keeps lifecycle mail away from its actual send time). Rejected, rolled-back, cancelled, skipped
+  and duplicate rows are not contacts.
+* **window bounds** are instants (UTC, elapsed time: P1D is 24 hours across a DST change): for a
+  new email decided with reference time ``ref`` (the data interval end of a lifecycle run, or now)
+  and actual send time ``now``, the contacts counted are those with ``ref - W <= at < now + W``
+  (lower bound inclusive, upper bound exclusive).
+
+The database enforces it: each claim locks the users' ``mail.contact`` rows (user_id order) and
+re-evaluates :func:`evaluate` over the user's contacts read after the lock.
+
+**Address hygiene** (:func:`normalise_address`) runs before any request on both paths, with
+``email-validator`` (no DNS: ``check_deliverability=False``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+import unicodedata
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import email_validator
+
+from mailflow.model import as_timedelta
+
+#: Statuses whose rows are contacts (see the module docstring); ``pending`` only for lifecycle mail.
+CONTACT_STATES = ("sent", "sending")
+ON_POLICY = ("defer", "skip", "ignore")
+
+
+@dataclass(frozen=True, order=True)
+class Cap:
+    """At most ``emails`` emails per user within any ``window`` (a rolling span of elapsed time)."""
+
+    window: timedelta
+    emails: int
+
+    def __post_init__(self) -> None:
+        if self.emails < 1:
+            raise ValueError(f"a frequency cap allows at least 1 email, got {self.emails}")
+        if self.window <= timedelta(0):
+            raise ValueError(f"a frequency cap's window must be positive, got {self.window}")
+
+    def __str__(self) -> str:
+        return f"{self.emails} per {_human(self.window)}"
+
+
+@dataclass(frozen=True)
+class ContactPolicy:
+    """Cooldown (across all campaigns and kinds) plus frequency caps; see the module docstring."""
+
+    cooldown: timedelta = timedelta(days=7)
+    caps: tuple[Cap, ...] = ()
+
+    @property
+    def rules(self) -> tuple[Cap, ...]:
+        """Every cap, the cooldown as ``Cap(cooldown, 1)`` first; empty if there is no rule."""
+        out = [Cap(self.cooldown, 1)] if self.cooldown > timedelta(0) else []
+        return tuple(out + sorted(self.caps))
+
+    def extra_caps(self) -> tuple[Cap, ...]:
+        """Caps not implied by the cooldown (a cap whose window is not longer than the cooldown
+        allows at least the one email the cooldown allows in it): the SQL pre-filter checks these."""
+        return tuple(c for c in sorted(self.caps) if c.window > self.cooldown)
+
+    def widest(self) -> timedelta:
+        """The longest window of any rule (how far back contacts matter)."""
+        return max((c.window for c in self.rules), default=timedelta(0))
+
+
+def policy_from_mapping(raw: Mapping[str, Any], *, default_cooldown: str = "P7D", label: str = "[policy]") -> ContactPolicy:
+    """Build a policy from ``{"cooldown": "P7D", "caps": [{"emails": 3, "per": "P7D"}, ...]}``.
+
+    :raises ValueError: naming the entry for a bad duration or count.
+    """
+    try:
+        cooldown = as_timedelta(str(raw.get("cooldown", default_cooldown)))
+        caps = []
+        for i, cap in enumerate(raw.get("caps", ())):
+            if not isinstance(cap, Mapping) or "emails" not in cap or "per" not in cap:
+                raise ValueError(f"caps[{i}] must be {{ emails = N, per = \"P7D\" }}, got {cap!r}")
+            caps.append(Cap(as_timedelta(str(cap["per"])), int(cap["emails"])))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{label}: {exc}") from None
+    return ContactPolicy(cooldown=cooldown, caps=tuple(caps))
+
+
+def load_policy(path: Path | None = None) -> ContactPolicy:
+    """The policy of ``campaigns/lifecycle.toml`` (or ``path``): its ``[policy]`` section, the cooldown
+    falling back to ``[defaults].cooldown`` (then 7 days).
+
+    :raises ValueError: for a bad entry (naming it).
+    """
+    from mailflow.campaigns import CAMPAIGNS_DIR
+
+    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
+    doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    default = str(doc.get("defaults", {}).get("cooldown", "P7D"))
+    return policy_from_mapping(doc.get("policy", {}), default_cooldown=default, label=f"{path.name} [policy]")
+
+
+# -- evaluation ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contact:
+    """One contact of a user: send-log ``row_id``, its ``campaign``, ``status`` and instant ``at``
+    (aware; ``None`` = in flight, i.e. now and inside every window)."""
+
+    row_id: int
+    campaign: str
+    status: str
+    at: datetime | None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why an email is held back: the rule, the contacts that fill it, and ``free_at`` (aware UTC),
+    the first instant at which the rule would let the email go (for a deferral)."""
+
+    rule: Cap
+    contacts: tuple[Contact, ...]
+    free_at: datetime
+    cooldown: bool = False
+
+    def reason(self) -> str:
+        """One line for ``send_log.error`` and the event: the rule and the contact(s) behind it."""
+        what = f"cooldown {_human(self.rule.window)}" if self.cooldown else f"frequency cap {self.rule}"
+        seen = ", ".join(
+            f"row {c.row_id} ({c.campaign}, {c.status}{'' if c.at is None else ' ' + c.at.isoformat()})"
+            for c in self.contacts[:3])
+        more = f" and {len(self.contacts) - 3} more" if len(self.contacts) > 3 else ""
+        return f"contact policy: {what}: {seen}{more}; free from {self.free_at.isoformat()}"
+
+
+def evaluate(policy: ContactPolicy, contacts: Iterable[Contact], *, ref: datetime, now: datetime) -> Hold | None:
+    """Decide one new email for a user whose contacts are ``contacts``.
+
+    :param ref: the reference instant (lifecycle: the data interval end; scheduled: now), aware.
+    :param now: the actual send time (the database clock), aware; in-flight contacts are at ``now``.
+    :returns: ``None`` if the email may go, else the first rule it breaks (cooldown first).
+    """
+    items = list(contacts)
+    lo_ref = min(ref, now)
+    for i, rule in enumerate(policy.rules):
+        lo, hi = lo_ref - rule.window, now + rule.window
+        inside = [c for c in items if c.at is None or lo <= c.at < hi]
+        if len(inside) >= rule.emails:
+            times = sorted((now if c.at is None else c.at) for c in inside)
+            # free once all but emails-1 of them are more than `window` in the past
+            free_at = times[len(times) - rule.emails] + rule.window
+            inside.sort(key=lambda c: (c.at is not None, c.at), reverse=True)
+            return Hold(rule=rule, contacts=tuple(inside), free_at=max(free_at, now),
+                        cooldown=(i == 0 and policy.cooldown > timedelta(0) and rule.emails == 1
+                                  and rule.window == policy.cooldown))
+    return None
+
+
+# -- address hygiene --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Address:
+    """A checked address: ``send`` is what goes in the request (trimmed, NFC, domain IDNA-encoded
+    and lower-cased; local part as given); ``key`` is for deduplication and suppression (the local
+    part lower-cased too); ``keys`` also holds the Unicode-domain form (suppression entries typed by
+    people). ``error`` is the validator's reason when the address is invalid (then the others are
+    empty)."""
+
+    raw: str
+    send: str = ""
+    key: str = ""
+    keys: tuple[str, ...] = field(default=())
+    error: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+
+def normalise_address(raw: str | None) -> Address:
+    """Check and normalise one recipient address (RFC 5321/6531 via ``email-validator``, no DNS).
+
+    Trim, Unicode-normalise (NFC), IDNA-encode the domain for sending (UTS #46 via the validator),
+    lower-case the domain; the local part keeps its case for sending and is compared
+    case-insensitively (``key``) for deduplication only. Never raises: an invalid address comes
+    back with ``error`` = the validator's message.
+    """
+    text = unicodedata.normalize("NFC", (raw or "").strip())
+    if not text:
+        return Address(raw=raw or "", error="the address is empty")
+    try:
+        v = email_validator.validate_email(text, check_deliverability=False)
+    except email_validator.EmailNotValidError as exc:
+        return Address(raw=raw or "", error=str(exc))
+    domain = (v.ascii_domain or v.domain).lower()
+    send = f"{v.local_part}@{domain}"
+    key = f"{v.local_part.lower()}@{domain}"
+    alt = f"{v.local_part.lower()}@{v.domain.lower()}"
+    return Address(raw=raw or "", send=send, key=key, keys=tuple(dict.fromkeys((key, alt))))
+
+
+def _human(d: timedelta) -> str:
+    secs = int(d.total_seconds())
+    for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if secs % n == 0 and secs >= n:
+            k = secs // n
+            return f"{k} {unit}{'s' if k != 1 else ''}"
+    return f"{secs} s"
+
+
+def contacts_from_rows(rows: Sequence[Sequence[Any]]) -> dict[int, list[Contact]]:
+    """Group ``(user_id, row_id, campaign, status, at)`` rows (the ``contact.contacts_of`` query) by user."""
+    out: dict[int, list[Contact]] = {}
+    for uid, rid, campaign, status, at in rows:
+        out.setdefault(int(uid), []).append(Contact(int(rid), str(campaign), str(status), at))
+    return out
