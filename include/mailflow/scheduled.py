@@ -50,6 +50,7 @@ import os
 import re
 import sys
 import tomllib
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
@@ -79,9 +80,10 @@ from mailflow.model import (
     Unknown,
 )
 from mailflow.planner import PlanSpec, Window, plan_day, plan_send_times, summarize
+from mailflow.policy import ON_POLICY, ContactPolicy, Hold, evaluate, load_policy, normalise_address
 from mailflow.render import Renderer, subject_template
 from mailflow.sql import query
-from mailflow.store import PostgresStore
+from mailflow.store import PostgresStore, load_contacts, lock_contacts
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +163,10 @@ class DispatchSummary:
     unknown: int = 0
     suppressed: int = 0
     render_failed: int = 0
+    deferred: int = 0
+    skipped: int = 0
+    invalid: int = 0
+    duplicates: int = 0
     batches: int = 0
     idle_seconds: float = 0.0
     seconds: float = 0.0
@@ -308,7 +314,9 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     ``user``), ``from``, optional ``reply_to``, ``timezone`` (IANA, default Europe/Berlin),
     ``emails_per_day`` (20), ``weekdays`` (ISO, [1..5]), ``windows`` (["09:00-12:00",
     "14:00-17:00"], local), ``start_at`` (aware datetime or ISO text; default now), ``marketing``
-    (true), and exactly one recipient source: ``recipients_sql`` (a file name in
+    (true), ``on_policy`` (``defer``: a due email the contact policy holds back moves to the first
+    planned slot after the window; ``skip``: it becomes ``skipped`` with the reason; ``ignore``: it
+    is sent anyway, for transactional mail; default defer), and exactly one recipient source: ``recipients_sql`` (a file name in
     ``campaigns/recipients/``), ``recipients_table`` (``schema.table`` with user_id, email,
     first_name columns) or ``recipients_csv`` (a CSV file with user_id, email, first_name and any
     extra columns, uploaded into ``mail.campaign_recipient``; relative to ``base_dir``).
@@ -339,6 +347,9 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
         start_at = datetime.fromisoformat(start_at)
     if start_at is not None and (not isinstance(start_at, datetime) or start_at.tzinfo is None):
         raise ValueError(f"campaign {label!r}: start_at must be an aware datetime (with an offset), got {start_at!r}")
+    on_policy = str(spec.get("on_policy", "defer"))
+    if on_policy not in ON_POLICY:
+        raise ValueError(f"campaign {label!r}: on_policy must be one of {', '.join(ON_POLICY)}, got {on_policy!r}")
     recipients_sql = recipients_table = None
     if spec.get("recipients_sql"):
         recipients_sql = _recipients_file(str(spec["recipients_sql"]), label).stem
@@ -355,6 +366,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
             "template": str(spec["template"]), "subject": str(spec["subject"]), "from_address": str(spec["from"]),
             "reply_to": spec.get("reply_to"), "recipients_sql": recipients_sql,
             "recipients_table": recipients_table, "marketing": bool(spec.get("marketing", True)),
+            "on_policy": on_policy,
         }).fetchone()
         assert row is not None
         campaign_id = int(row[0])
@@ -715,6 +727,46 @@ def _db_now(conn: psycopg.Connection) -> datetime:
 # -- dispatch --------------------------------------------------------------------------------------
 
 
+def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
+                    held: Sequence[tuple[int, datetime]]) -> dict[int, datetime]:
+    """New planned times for rows the contact policy holds back: ``held`` = ``(row id, free_at)``.
+
+    Each row gets the first instant after its ``free_at`` that the campaign's plan allows: an
+    allowed weekday, inside the local windows, on a local day whose emails (planned, in flight or
+    sent) are still fewer than ``emails_per_day``; within that day the planner's slots spread from
+    ``free_at`` are used in order. Aware UTC datetimes, strictly after ``free_at``.
+    """
+    spec = plan_spec(c)
+    zone = spec.zone
+    first = min(f for _, f in held)
+    since = _local_midnight(plan_day(spec, first), spec)
+    day_start = timedelta(hours=spec.day_start.hour, minutes=spec.day_start.minute, seconds=spec.day_start.second)
+    counts: dict[date, int] = {d: int(n) for d, n in conn.execute(query("scheduled", "day_counts"), {
+        "campaign": c["name"], "tz": spec.timezone, "since": since, "day_start": day_start}).fetchall()}
+    days: dict[date, list[datetime]] = {}  # the day's free slots (computed once per day and call)
+    out: dict[int, datetime] = {}
+    for rid, free_at in sorted(held, key=lambda h: (h[1], h[0])):
+        start = free_at + timedelta(microseconds=1)
+        day = plan_day(spec, start)
+        for _ in range(800):  # the planner's own bound on days without window time
+            if day.isoweekday() in spec.weekdays and counts.get(day, 0) < spec.emails_per_day:
+                if day not in days:
+                    floor = max(start, _local_midnight(day, spec))
+                    days[day] = [t for t in plan_send_times(spec, spec.emails_per_day, floor)
+                                 if plan_day(spec, t) == day]
+                free = days[day]
+                i = bisect_left(free, start)
+                if i < len(free):
+                    out[rid] = free.pop(i)
+                    counts[day] = counts.get(day, 0) + 1
+                    break
+            day += timedelta(days=1)
+            start = max(start, _local_midnight(day, spec))
+        else:
+            raise RuntimeError(f"campaign {c['name']!r}: no planned slot within 800 days after {free_at}")
+    return out
+
+
 def batch_key(rows: Sequence[tuple[int, int]]) -> str:
     """Idempotency key of a scheduled batch from its ``(send_log id, attempt)`` pairs in request
     order: ``mfs-<first id>-<16 hex of sha256>``. A row released after a whole-request failure is
@@ -739,12 +791,14 @@ class _Claim:
     batch: PreparedBatch | None
     render_failed: int
     render_errors: list[str] = field(default_factory=list)
+    decided: dict[str, int] = field(default_factory=dict)  # rows decided without a request, by status
 
 
 class _Dispatcher:
     """One dispatch call's state: the connection, the lifecycle store (apply, rebatch, batches)."""
 
-    def __init__(self, conn: psycopg.Connection, renderer: Renderer, run: RunContext, batch_size: int):
+    def __init__(self, conn: psycopg.Connection, renderer: Renderer, run: RunContext, batch_size: int,
+                 policy: ContactPolicy | None = None):
         self.conn = conn
         self.store = PostgresStore(conn)
         self.renderer = renderer
@@ -752,6 +806,8 @@ class _Dispatcher:
         self.who = {"dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}
         self.batch_size = batch_size
         self.campaigns: dict[str, Campaign] = {}
+        self.campaign_rows: dict[str, dict[str, Any]] = {}
+        self.policy: ContactPolicy = policy if policy is not None else load_policy()
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -772,14 +828,43 @@ class _Dispatcher:
         return self.campaigns[name]
 
     def claim(self) -> tuple[int, _Claim | None]:
-        """Cancel suppressed due rows, claim one campaign's due rows, render and store the batch:
-        one transaction (a crash leaves either pending rows or sending rows with their bytes).
-        Returns ``(rows cancelled as suppressed, the claim or None if nothing was claimable)``."""
+        """Cancel suppressed due rows, pick one campaign's due rows, pass them through the contact
+        guard, claim the rest, render and store the batch: one transaction (a crash leaves either
+        pending rows or sending rows with their bytes).
+
+        The guard (docs/model.md, "The contact policy"): each address is normalised (invalid: the
+        row fails with the validator's reason, no request; suppressed as normalised: cancelled; a
+        second user at an address the campaign already mails: ``duplicate`` naming the first); the
+        users' ``mail.contact`` rows are locked in user_id order and the policy is re-evaluated on
+        what is committed now; a held row is deferred to the first planned slot after the window
+        (``on_policy = 'defer'``), or ``skipped`` with the reason, or sent anyway (``ignore``).
+        Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``."""
         with self.conn.transaction():
             suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
-            found = self.conn.execute(query("scheduled", "claim_due"), self.who | {"limit": self.batch_size}).fetchall()
-            if not found:
+            picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
+            if not picked:
                 return suppressed, None
+            crow = self._campaign_row(str(picked[0][4]))
+            decided = self._guard(crow, picked)
+            if decided:
+                self.conn.execute(query("scheduled", "decide_rows"), self.who | {
+                    "ids": list(decided), "statuses": [d[0] for d in decided.values()],
+                    "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
+            go = [r for r in picked if int(r[0]) not in decided]
+            found: list[Any] = []
+            if go:
+                addrs = [normalise_address(r[2]) for r in go]
+                found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
+                    "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
+                    "keys": [a.key for a in addrs]}).fetchall()
+            counts: dict[str, int] = {}
+            for st, _, _at in decided.values():
+                k = "deferred" if st == "pending" else st
+                counts[k] = counts.get(k, 0) + 1
+            if not found:
+                return suppressed + counts.pop("cancelled", 0), _Claim(
+                    self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
+            suppressed += counts.pop("cancelled", 0)
             campaign = self._campaign(str(found[0][4]))
             rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
             attempts = {int(r[0]): int(r[5]) for r in found}
@@ -807,7 +892,65 @@ class _Dispatcher:
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
-        return suppressed, _Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()))
+        return suppressed, _Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
+
+    def _campaign_row(self, name: str) -> dict[str, Any]:
+        if name not in self.campaign_rows:
+            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            if c is None:
+                raise LookupError(f"campaign {name!r} vanished from mail.campaign")
+            self.campaign_rows[name] = c
+        return self.campaign_rows[name]
+
+    def _guard(self, c: Mapping[str, Any], picked: Sequence[Any]) -> dict[int, tuple[str, str, datetime | None]]:
+        """The contact guard for picked rows ``(id, user_id, email, context, campaign, attempts,
+        scheduled_at)`` of campaign row ``c``, in the claim transaction. Returns the rows decided
+        without a request: ``{id: (status, reason, new scheduled_at or None)}``."""
+        out: dict[int, tuple[str, str, datetime | None]] = {}
+        addrs = {int(r[0]): normalise_address(r[2]) for r in picked}
+        for r in picked:
+            a = addrs[int(r[0])]
+            if not a.valid:
+                out[int(r[0])] = ("failed", f"invalid address: {a.error}", None)
+        valid = [r for r in picked if int(r[0]) not in out]
+        keys = sorted({k for r in valid for k in addrs[int(r[0])].keys})
+        if keys:
+            barred = {x[0] for x in self.conn.execute(query("contact", "suppressed_addresses"),
+                                                      {"keys": keys, "campaign": c["name"]})}
+            holders = {k: (int(u), int(i)) for k, u, i in self.conn.execute(query("lifecycle", "address_holders"), {
+                "campaign": c["name"], "keys": sorted({addrs[int(r[0])].key for r in valid})})}
+            for r in valid:
+                a = addrs[int(r[0])]
+                holder = holders.get(a.key)
+                if barred.intersection(a.keys):
+                    out[int(r[0])] = ("cancelled", "suppressed before sending (address)", None)
+                elif holder is not None and holder[1] != int(r[0]):
+                    out[int(r[0])] = ("duplicate", f"duplicate address: {a.key} got this campaign as user "
+                                                   f"{holder[0]} (row {holder[1]})", None)
+                else:
+                    holders[a.key] = (int(r[1]), int(r[0]))  # later rows of this batch at the same address
+        valid = [r for r in picked if int(r[0]) not in out]
+        if not valid:
+            return out
+        now = lock_contacts(self.conn, [int(r[1]) for r in valid])
+        if c["on_policy"] == "ignore" or not self.policy.rules:
+            return out
+        contacts = load_contacts(self.conn, [int(r[1]) for r in valid], self.policy, ref=now, now=now,
+                                 include_planned=False, except_ids=[int(r[0]) for r in picked])
+        held: list[tuple[int, Hold]] = []
+        for r in valid:
+            hold = evaluate(self.policy, contacts.get(int(r[1]), ()), ref=now, now=now)
+            if hold is None:
+                continue
+            if c["on_policy"] == "skip":
+                out[int(r[0])] = ("skipped", hold.reason(), None)
+            else:
+                held.append((int(r[0]), hold))
+        if held:
+            times = _deferred_times(self.conn, c, [(rid, h.free_at) for rid, h in held])
+            for rid, hold in held:
+                out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
+        return out
 
     def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary) -> Outcome:
         assert claim.batch is not None
@@ -831,7 +974,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
              budget_seconds: float = DISPATCH_BUDGET_SECONDS, coalesce_seconds: float = COALESCE_SECONDS,
              poll_seconds: float = POLL_SECONDS, batch_size: int = BATCH_SIZE,
              send_grace_seconds: float = SEND_GRACE_SECONDS, clock: Clock | None = None,
-             run: RunContext | None = None) -> DispatchSummary:
+             run: RunContext | None = None, policy: ContactPolicy | None = None) -> DispatchSummary:
     """Send due scheduled rows until nothing is due within the budget, or the budget is spent.
 
     Loop: ask the database how long until a claim is worth it (the earliest due row has waited
@@ -850,6 +993,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         monotonic timeline; a claimed batch may run ``send_grace_seconds`` past the budget.
     :param budget_seconds: no new claim or wait starts after this many seconds (monotonic).
     :param batch_size: emails per request, 1-100.
+    :param policy: the contact policy (default: ``[policy]`` of ``campaigns/lifecycle.toml``).
     :raises SendError: after recording everything, if the provider refused the key, an
         idempotency conflict needs a person, or an email could not be rendered (a recipient's
         snapshot lacks a template variable: that row is marked ``failed``, the others are sent).
@@ -859,7 +1003,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH} emails (provider batch limit), got {batch_size}")
     clock = clock or SystemClock()
     run = run or RunContext()
-    d = _Dispatcher(conn, renderer, run, batch_size)
+    d = _Dispatcher(conn, renderer, run, batch_size, policy)
     summary = DispatchSummary()
     t0 = clock.monotonic()
     deadline = t0 + budget_seconds
@@ -879,7 +1023,14 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
             clock.sleep(nap)
             summary.idle_seconds += nap
             continue
-        suppressed, claim = d.claim()
+        try:
+            suppressed, claim = d.claim()
+        except psycopg.errors.UniqueViolation as exc:
+            # another dispatcher claimed a row of this campaign at the same normalised address in
+            # the meantime: the claim rolled back; the next pick sees its row and records a duplicate
+            log.info("claim rolled back (address claimed concurrently): %s", exc)
+            clock.sleep(min(0.2, remaining))
+            continue
         summary.suppressed += suppressed
         if claim is None:
             if not suppressed:
@@ -888,6 +1039,10 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                 clock.sleep(nap)
                 summary.idle_seconds += nap
             continue
+        summary.deferred += claim.decided.get("deferred", 0)
+        summary.skipped += claim.decided.get("skipped", 0)
+        summary.invalid += claim.decided.get("failed", 0)
+        summary.duplicates += claim.decided.get("duplicate", 0)
         summary.render_failed += claim.render_failed
         if claim.render_failed:
             fatal.append(f"{claim.campaign.name}: {claim.render_failed} email(s) could not be rendered and "

@@ -23,7 +23,6 @@ from conftest import UNSUBSCRIBE_SECRET
 
 from mailflow import cli
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.emulator.app import ADDRESS_FORMAT
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.engine import run_lifecycle
 from mailflow.model import CampaignSummary, DataInterval, RunContext, SendError

@@ -1,10 +1,10 @@
 -- name: campaign_insert
 -- Create a campaign (status draft); every value is bound. Returns its id.
 insert into mail.campaign (name, timezone, emails_per_day, weekdays, windows, start_at, template, subject,
-                           from_address, reply_to, recipients_sql, recipients_table, marketing)
+                           from_address, reply_to, recipients_sql, recipients_table, marketing, on_policy)
 values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, coalesce(%(start_at)s, now()),
         %(template)s, %(subject)s, %(from_address)s, %(reply_to)s, %(recipients_sql)s, %(recipients_table)s,
-        %(marketing)s)
+        %(marketing)s, %(on_policy)s)
 returning id
 
 -- name: campaign_lock
@@ -133,14 +133,13 @@ select extract(epoch from least(min(scheduled_at) + make_interval(secs => %(coal
                                 case when count(*) >= %(batch)s then max(scheduled_at) end) - now())::float8
 from p
 
--- name: claim_due
--- Claim up to `limit` due rows of ONE active campaign (the one with the earliest due row nobody
--- else holds): pending -> sending, claimed_at, attempts + 1 and the event, in one statement:
--- UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED), the SELECT being a MATERIALIZED CTE
--- so it runs exactly once (as a rescanned IN-subquery it would skip the rows already updated by
--- this statement and claim past the limit). SKIP LOCKED: two dispatchers never claim the same row
--- and never wait on each other; `l.status = 'pending'` re-checks the state, so a row sent or
--- cancelled meanwhile is skipped. Suppressed rows are never claimed (see cancel_suppressed_due).
+-- name: pick_due
+-- Lock up to `limit` due rows of ONE active campaign (the one with the earliest due row nobody else
+-- holds), FOR UPDATE SKIP LOCKED: two dispatchers never take the same row and never wait on each
+-- other. Both selects are MATERIALIZED CTEs, evaluated exactly once. Suppressed rows are never
+-- picked (see cancel_suppressed_due). The caller then takes the contact guard for the rows' users,
+-- re-checks the policy and the addresses, and claims (claim_rows), defers or skips each row, in
+-- the same transaction.
 with pick as materialized (
     select d.campaign
     from mail.send_log d
@@ -154,7 +153,7 @@ with pick as materialized (
     limit 1
     for update of d skip locked
 ), due as materialized (
-    select d.id
+    select d.id, d.user_id, d.email, d.context, d.campaign, d.attempts, d.scheduled_at
     from mail.send_log d
     where d.campaign = (select campaign from pick)
       and d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
@@ -165,17 +164,56 @@ with pick as materialized (
     order by d.scheduled_at, d.id
     limit %(limit)s
     for update skip locked
-), claimed as (
+)
+select id, user_id, email, context, campaign, attempts, scheduled_at from due order by scheduled_at, id
+
+-- name: claim_rows
+-- Claim picked rows (locked by pick_due, passed by the contact guard): pending -> sending,
+-- claimed_at, attempts + 1, the address as normalised for sending, and the event, in one statement.
+-- `l.status = 'pending'` re-checks the state.
+with claimed as (
     update mail.send_log l
-    set status = 'sending', claimed_at = now(), attempts = l.attempts + 1,
+    set status = 'sending', claimed_at = now(), attempts = l.attempts + 1, email = r.email,
+        email_key = coalesce(l.email_key, r.email_key),
         dag_id = %(dag_id)s, run_id = %(run_id)s, task_id = %(task_id)s
-    where l.id in (select id from due) and l.status = 'pending'
+    from unnest(%(ids)s::bigint[], %(emails)s::text[], %(keys)s::text[]) as r(id, email, email_key)
+    where l.id = r.id and l.status = 'pending'
     returning l.id, l.user_id, l.email, l.context, l.campaign, l.attempts, l.scheduled_at
 ), ev as (
     insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
     select id, 'pending', 'sending', attempts, %(dag_id)s, %(run_id)s, %(task_id)s from claimed
 )
 select id, user_id, email, context, campaign, attempts from claimed order by scheduled_at, id
+
+-- name: decide_rows
+-- Picked rows decided without a request, each with its reason (recorded on the row and its event):
+-- 'skipped' (the contact policy held it back and the campaign skips), 'failed' (invalid address:
+-- the validator's reason), 'cancelled' (the normalised address is suppressed), or 'pending' again
+-- with a new scheduled_at (deferred by the contact policy to the first planned slot after the
+-- window). Guarded on 'pending'.
+with changed as (
+    update mail.send_log l
+    set status = r.status, error = r.reason, scheduled_at = coalesce(r.at, l.scheduled_at)
+    from unnest(%(ids)s::bigint[], %(statuses)s::text[], %(reasons)s::text[], %(ats)s::timestamptz[])
+         as r(id, status, reason, at)
+    where l.id = r.id and l.status = 'pending'
+    returning l.id, l.attempts, r.status, r.reason
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'pending', status, attempts, reason, %(dag_id)s, %(run_id)s, %(task_id)s from changed
+returning send_log_id
+
+-- name: day_counts
+-- A campaign's emails per plan day from `since` on (planned, in flight or sent; by planned, sent
+-- or claim time): where a deferred email still fits the daily count. The plan day is the local date
+-- of the local time minus `day_start` (planner.plan_day: a window crossing midnight counts towards
+-- the date it opens on).
+select ((case when status = 'pending' then scheduled_at else coalesce(sent_at, claimed_at) end
+         at time zone %(tz)s) - %(day_start)s::interval)::date as day, count(*)
+from mail.send_log
+where campaign = %(campaign)s and status in ('pending', 'sending', 'sent')
+  and case when status = 'pending' then scheduled_at else coalesce(sent_at, claimed_at) end >= %(since)s
+group by 1
 
 -- name: cancel_pending
 -- Cancel: every pending row of the campaign -> cancelled (rows already sending finish as they

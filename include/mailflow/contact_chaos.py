@@ -1,0 +1,234 @@
+"""Contact-policy stress (`make chaos` runs the long version): several processes claim emails for
+the same users at once, lifecycle and scheduled mixed, and nobody may get two emails inside the
+cooldown.
+
+Processes (``multiprocessing``, spawn), all started together on one barrier:
+
+* two scheduled campaigns, due at once: ``cc_sched_skip`` (every 3rd user) is provisioned before
+  the race; ``cc_sched_defer`` (every 2nd user) is provisioned by the ``provision`` process in
+  small chunks while the others run;
+* ``lifecycle-N``: lifecycle runs over two campaigns whose audience is every user (each process its
+  own run id; the first runs both, the others one each, so runs of different campaigns overlap);
+* ``dispatch-N``: scheduled dispatchers, looping until the provisioner is done and nothing is due.
+
+The provider is an in-process double that accepts every email (the claim side is under test, not
+the provider); a ``sent`` row is an accepted email. Every email goes out within seconds, so any two
+contacts of one user fall inside the 7-day cooldown. Invariants (all must be 0): users with two or
+more contacts (``sent`` or ``sending``), users never decided (no email and nothing pending or held),
+due ``pending`` rows left undecided.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from mailflow.campaigns import Campaign
+from mailflow.model import Accepted, DataInterval, Outcome, PreparedBatch, RunContext
+
+LIFECYCLE = ("cc_life_a", "cc_life_b")
+SCHEDULED = (("cc_sched_skip", "skip", 3), ("cc_sched_defer", "defer", 2))
+PAST = datetime(2026, 1, 5, tzinfo=UTC)
+SECRET = "contact-chaos-secret-0123456789"
+
+
+class AcceptAll:
+    """Provider double: accepts every email of a batch (ids unique per key and index)."""
+
+    def send_batch(self, batch: PreparedBatch, deadline: float) -> Outcome:
+        return Accepted(ids={i: f"cc-{batch.idempotency_key}-{i}" for i in range(len(batch.row_ids))}, rejected={})
+
+
+def _campaign(name: str, priority: int) -> Campaign:
+    return Campaign(name=name, priority=priority,
+                    audience_sql="select user_id, email, first_name from app.users",
+                    template="first_practice", subject="Hello {{ user.first_name or 'there' }}",
+                    from_address="Practice Team <practice@mail.example.com>", reply_to=None,
+                    cooldown=timedelta(days=7), audience_window=timedelta(hours=1))
+
+
+def _renderer() -> Any:
+    from mailflow.render import Renderer
+    from mailflow.unsubscribe import signer_from_secret
+
+    return Renderer(signer_from_secret(SECRET), "https://mail.example.com", "https://app.example.com", mailto="")
+
+
+def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, rounds: int) -> None:
+    from mailflow.engine import run_lifecycle
+    from mailflow.store import PostgresStore
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        store = PostgresStore(conn)
+        campaigns = [_campaign(name, LIFECYCLE.index(name) + 1) for name in names]
+        barrier.wait()
+        for r in range(rounds):
+            end = conn.execute("select now()").fetchone()[0]  # type: ignore[index]
+            run_lifecycle(store, AcceptAll(), _renderer(), campaigns, DataInterval(end - timedelta(hours=1), end),
+                          run=RunContext(dag_id="contact_chaos", run_id=f"lifecycle-{n}-{r}", task_id="send"),
+                          chunk_size=50 + 25 * n)
+
+
+def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) -> None:
+    from mailflow import scheduled
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        barrier.wait()
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop:
+            provisioned = done.is_set()
+            s = scheduled.dispatch(conn, AcceptAll(), _renderer(), budget_seconds=2.0, coalesce_seconds=0,
+                                   poll_seconds=0.1, batch_size=40 + 20 * n,
+                                   run=RunContext(dag_id="contact_chaos", run_id=f"dispatch-{n}", task_id="dispatch"))
+            if provisioned and s.claimed == 0 and s.deferred == 0 and s.skipped == 0:
+                return
+            if s.claimed == 0:
+                time.sleep(0.05)
+
+
+def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any) -> None:
+    from mailflow import scheduled
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        barrier.wait()
+        for cid in ids[1:]:
+            scheduled.provision(conn, cid, now=PAST, chunk=97)
+        done.set()
+
+
+def setup(dsn: str, users: int) -> list[int]:
+    """Fresh users ``1..users`` and the two scheduled campaigns (drafts with their recipient lists);
+    returns the campaign ids. Expects a migrated database with the demo app schema."""
+    from mailflow import scheduled
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.campaign_event,"
+                     " mail.campaign_recipient, mail.campaign, app.assessments, app.users restart identity cascade")
+        conn.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
+                     " select i, 'user' || i || '@example.com', 'First' || i, '2025-01-01', 'UTC', 'free'"
+                     " from generate_series(1, %s::bigint) as i", (users,))
+        ids = []
+        for name, on_policy, every in SCHEDULED:
+            cid = scheduled.create_campaign(conn, {
+                "name": name, "template": "outreach", "subject": "{{ user.first_name }}, the practice library",
+                "from": "Outreach <outreach@mail.example.com>", "recipients_table": "mail.campaign_recipient",
+                "start_at": PAST, "timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["00:00-23:59"],
+                "emails_per_day": 5000, "on_policy": on_policy}, actor="contact_chaos")
+            conn.execute("insert into mail.campaign_recipient (campaign_id, user_id, email, first_name)"
+                         " select %s, u.user_id, u.email, u.first_name from app.users u where u.user_id %% %s = 0",
+                         (cid, every))
+            ids.append(cid)
+        # the first campaign is provisioned before the race (due at once: it holds lifecycle mail
+        # back from its users); the others while the claimers run
+        scheduled.provision(conn, ids[0], now=PAST, chunk=1000)
+    return ids
+
+
+def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2, rounds: int = 1,
+        seconds: float = 60.0) -> dict[str, Any]:
+    """Run the mixed claimers against ``dsn`` (migrated, demo app schema) and return the counts.
+
+    :returns: ``{"users", "processes", "seconds", "counts": {...}, "invariants": {...}}``.
+    """
+    ids = setup(dsn, users)
+    ctx = multiprocessing.get_context("spawn")
+    parties = 1 + lifecycle + dispatchers
+    barrier, done = ctx.Barrier(parties), ctx.Event()
+    procs = [ctx.Process(target=_provision_worker, args=(dsn, ids, barrier, done), name="provision")]
+    for n in range(lifecycle):
+        names = LIFECYCLE if n == 0 else (LIFECYCLE[n % 2],)
+        procs.append(ctx.Process(target=_lifecycle_worker, args=(dsn, n, names, barrier, rounds), name=f"lifecycle-{n}"))
+    for n in range(dispatchers):
+        procs.append(ctx.Process(target=_dispatch_worker, args=(dsn, n, barrier, done, seconds), name=f"dispatch-{n}"))
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(seconds + 60)
+    failed = [f"{p.name}: exit {p.exitcode}" for p in procs if p.exitcode != 0]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    elapsed = time.monotonic() - t0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def one(sql: str) -> int:
+            row = conn.execute(sql).fetchone()
+            return int(row[0]) if row and row[0] is not None else 0
+
+        counts = {
+            "emails_sent": one("select count(*) from mail.send_log where status = 'sent'"),
+            "users_emailed": one("select count(distinct user_id) from mail.send_log where status in ('sent', 'sending')"),
+            "lifecycle_sent": one("select count(*) from mail.send_log where status = 'sent' and kind = 'lifecycle'"),
+            "scheduled_sent": one("select count(*) from mail.send_log where status = 'sent' and kind = 'scheduled'"),
+            "scheduled_deferred": one("select count(*) from mail.send_log where kind = 'scheduled' and status = 'pending'"
+                                      " and scheduled_at > now()"),
+            "scheduled_skipped": one("select count(*) from mail.send_log where status = 'skipped'"),
+            "deferral_events": one("select count(*) from mail.send_event where from_status = 'pending'"
+                                   " and to_status = 'pending' and error like 'contact policy:%'"),
+            "skip_events": one("select count(*) from mail.send_event where to_status = 'skipped'"
+                               " and error like 'contact policy:%'"),
+        }
+        invariants = {
+            "users_with_two_contacts_in_cooldown": one(
+                "select count(*) from (select user_id from mail.send_log where status in ('sent', 'sending')"
+                " group by user_id having count(*) > 1 and max(coalesce(sent_at, now()))"
+                " - min(coalesce(sent_at, now())) < interval '7 days') as x"),
+            "users_never_decided": one(
+                "select count(*) from app.users u where not exists (select 1 from mail.send_log l"
+                " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped'))"),
+            "due_rows_left_pending": one("select count(*) from mail.send_log where status = 'pending'"
+                                         " and scheduled_at <= now()"),
+            "processes_failed": len(failed),
+        }
+    return {"users": users, "processes": len(procs), "seconds": round(elapsed, 1), "failed": failed,
+            "counts": counts, "invariants": invariants}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mailflow.contact_chaos [--users N] [--lifecycle N] [--dispatchers N] [--rounds N]
+    [--dsn DSN]``: prints the counts as JSON; exit 1 if an invariant is not 0."""
+    p = argparse.ArgumentParser(prog="mailflow.contact_chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--users", type=int, default=20000)
+    p.add_argument("--lifecycle", type=int, default=4)
+    p.add_argument("--dispatchers", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"),
+                   help="maintenance DSN of a server to create a scratch database on (default: embedded)")
+    args = p.parse_args(argv)
+    from mailflow import devenv
+    from mailflow.demo.loader import schema_sql
+    from mailflow.migrate import migrate
+
+    pgdata = devenv.STATE / "pgdata-test"
+    started = not args.dsn and not devenv.embedded_running(pgdata)
+    admin = args.dsn or devenv.embedded_dsn(pgdata)
+    name = f"mailflow_contact_chaos_{os.getpid()}"
+    dsn = devenv.create_database(admin, name, exist_ok=False)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            migrate(conn)
+            conn.execute(schema_sql())
+        report = run(dsn, users=args.users, lifecycle=args.lifecycle, dispatchers=args.dispatchers,
+                     rounds=args.rounds, seconds=600.0)
+    finally:
+        devenv.drop_database(admin, name)
+        if started:
+            devenv.stop_embedded(pgdata)
+    print(json.dumps(report, indent=2))
+    bad = {k: v for k, v in report["invariants"].items() if v}
+    print("contact policy invariants: " + ("ALL 0" if not bad else f"VIOLATED {bad}"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
