@@ -111,7 +111,8 @@ def setup(dsn: str, users: int) -> list[int]:
     from mailflow import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.campaign_event,"
+        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.campaign_address,"
+                     " mail.campaign_event,"
                      " mail.campaign_recipient, mail.campaign, app.assessments, app.users restart identity cascade")
         conn.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
                      " select i, 'user' || i || '@example.com', 'First' || i, '2025-01-01', 'UTC', 'free'"

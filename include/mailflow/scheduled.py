@@ -83,7 +83,7 @@ from mailflow.planner import PlanSpec, Window, plan_day, plan_send_times, summar
 from mailflow.policy import ON_POLICY, ContactPolicy, Hold, evaluate, load_policy, normalise_address
 from mailflow.render import Renderer, subject_template
 from mailflow.sql import query
-from mailflow.store import PostgresStore, load_contacts, lock_contacts
+from mailflow.store import PostgresStore, duplicate_reason, load_contacts, lock_contacts, reserve_addresses
 
 log = logging.getLogger(__name__)
 
@@ -737,7 +737,6 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     ``free_at`` are used in order. Aware UTC datetimes, strictly after ``free_at``.
     """
     spec = plan_spec(c)
-    zone = spec.zone
     first = min(f for _, f in held)
     since = _local_midnight(plan_day(spec, first), spec)
     day_start = timedelta(hours=spec.day_start.hour, minutes=spec.day_start.minute, seconds=spec.day_start.second)
@@ -917,22 +916,27 @@ class _Dispatcher:
         if keys:
             barred = {x[0] for x in self.conn.execute(query("contact", "suppressed_addresses"),
                                                       {"keys": keys, "campaign": c["name"]})}
-            holders = {k: (int(u), int(i)) for k, u, i in self.conn.execute(query("lifecycle", "address_holders"), {
-                "campaign": c["name"], "keys": sorted({addrs[int(r[0])].key for r in valid})})}
             for r in valid:
-                a = addrs[int(r[0])]
-                holder = holders.get(a.key)
-                if barred.intersection(a.keys):
+                if barred.intersection(addrs[int(r[0])].keys):
                     out[int(r[0])] = ("cancelled", "suppressed before sending (address)", None)
-                elif holder is not None and holder[1] != int(r[0]):
-                    out[int(r[0])] = ("duplicate", f"duplicate address: {a.key} got this campaign as user "
-                                                   f"{holder[0]} (row {holder[1]})", None)
-                else:
-                    holders[a.key] = (int(r[1]), int(r[0]))  # later rows of this batch at the same address
         valid = [r for r in picked if int(r[0]) not in out]
         if not valid:
             return out
         now = lock_contacts(self.conn, [int(r[1]) for r in valid])
+        out.update(self._hold(c, valid, picked, now))
+        valid = [r for r in valid if int(r[0]) not in out]
+        holders = reserve_addresses(self.conn, c["name"], [(int(r[1]), addrs[int(r[0])].key) for r in valid])
+        for r in valid:
+            holder = holders[addrs[int(r[0])].key]
+            if holder != int(r[1]):
+                out[int(r[0])] = ("duplicate", duplicate_reason(addrs[int(r[0])].key, holder), None)
+        return out
+
+    def _hold(self, c: Mapping[str, Any], valid: Sequence[Any], picked: Sequence[Any],
+              now: datetime) -> dict[int, tuple[str, str, datetime | None]]:
+        """The policy decision for rows ``valid`` under the contact guard: held rows deferred or
+        skipped (per ``c['on_policy']``); ``ignore`` holds nothing."""
+        out: dict[int, tuple[str, str, datetime | None]] = {}
         if c["on_policy"] == "ignore" or not self.policy.rules:
             return out
         contacts = load_contacts(self.conn, [int(r[1]) for r in valid], self.policy, ref=now, now=now,
@@ -1023,14 +1027,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
             clock.sleep(nap)
             summary.idle_seconds += nap
             continue
-        try:
-            suppressed, claim = d.claim()
-        except psycopg.errors.UniqueViolation as exc:
-            # another dispatcher claimed a row of this campaign at the same normalised address in
-            # the meantime: the claim rolled back; the next pick sees its row and records a duplicate
-            log.info("claim rolled back (address claimed concurrently): %s", exc)
-            clock.sleep(min(0.2, remaining))
-            continue
+        suppressed, claim = d.claim()
         summary.suppressed += suppressed
         if claim is None:
             if not suppressed:

@@ -161,15 +161,19 @@ class PostgresStore:
                     ok = [r for r in valid if evaluate(policy, contacts.get(int(r[0]), ()), ref=ref, now=now) is None]
                     held = len(valid) - len(ok)
                     valid = ok
+            if valid:
+                holders = reserve_addresses(self.conn, campaign.name, [(int(r[0]), addresses[r[0]].key) for r in valid])
+                for r in valid:
+                    holder = holders[addresses[r[0]].key]
+                    if holder != int(r[0]):
+                        decided.append({"user_id": r[0], "email": addresses[r[0]].send, "context": r[2],
+                                        "status": "duplicate", "error": duplicate_reason(addresses[r[0]].key, holder)})
+                valid = [r for r in valid if holders[addresses[r[0]].key] == int(r[0])]
             minted: list[Any] = []
             if valid:
                 minted = self.conn.execute(query("lifecycle", "mint"), who | {"page": Jsonb([
                     {"user_id": r[0], "email": addresses[r[0]].send, "email_key": addresses[r[0]].key,
                      "context": r[2]} for r in valid])}).fetchall()
-                got = {int(m[1]) for m in minted}
-                lost = [r for r in valid if int(r[0]) not in got]
-                if lost:
-                    decided += self._duplicates(campaign, lost, addresses)
             duplicates = sum(1 for d in decided if d["status"] == "duplicate")
             if decided:
                 self.conn.execute(query("lifecycle", "mint_decided"), who | {"page": Jsonb(decided)})
@@ -181,22 +185,6 @@ class PostgresStore:
             self._save_batch(batch)
         return MintResult(page_size=len(page), cursor=cursor, batch=batch, rows=rows,
                           invalid=len(decided) - duplicates, duplicates=duplicates, held=held)
-
-    def _duplicates(self, campaign: Campaign, lost: Sequence[Any], addresses: dict[int, Any]) -> list[dict[str, Any]]:
-        """Rows of ``lost`` (not minted) that lost to another user's live email of this campaign at the
-        same normalised address: ``duplicate`` rows naming that user. Users that lost the (user,
-        campaign) race to a concurrent run are not recorded (that run's row stands)."""
-        holders = {k: (int(u), int(i)) for k, u, i in self.conn.execute(query("lifecycle", "address_holders"), {
-            "campaign": campaign.name, "keys": sorted({addresses[r[0]].key for r in lost})})}
-        out = []
-        for r in lost:
-            key = addresses[r[0]].key
-            holder = holders.get(key)
-            if holder is None or holder[0] == int(r[0]):
-                continue
-            out.append({"user_id": r[0], "email": addresses[r[0]].send, "context": r[2], "status": "duplicate",
-                        "error": f"duplicate address: {key} got this campaign as user {holder[0]} (row {holder[1]})"})
-        return out
 
     def _save_batch(self, batch: PreparedBatch) -> None:
         self.conn.execute(query("send_log", "save_batch"), {
@@ -304,6 +292,25 @@ def lock_contacts(conn: psycopg.Connection, user_ids: Sequence[int]) -> datetime
     row = conn.execute(query("contact", "db_now")).fetchone()
     assert row is not None
     return row[0]
+
+
+def reserve_addresses(conn: psycopg.Connection, campaign: str, claims: Sequence[tuple[int, str]]) -> dict[str, int]:
+    """One email per (campaign, normalised address), in the caller's transaction: reserve each
+    ``(user_id, email_key)`` of ``claims`` in ``mail.campaign_address`` unless another user holds
+    the key (the lowest user_id wins within ``claims``). Returns ``{email_key: holder user_id}``
+    for every key of ``claims``; a claim whose holder is another user is a duplicate."""
+    if not claims:
+        return {}
+    conn.execute(query("lifecycle", "reserve_addresses"), {
+        "campaign": campaign, "keys": [k for _, k in claims], "uids": [u for u, _ in claims]})
+    rows = conn.execute(query("lifecycle", "address_holders"), {
+        "campaign": campaign, "keys": sorted({k for _, k in claims})}).fetchall()
+    return {str(k): int(u) for k, u in rows}
+
+
+def duplicate_reason(key: str, holder: int) -> str:
+    """The ``error`` of a ``duplicate`` row: the address and the user who got the campaign there."""
+    return f"duplicate address: {key} gets this campaign as user {holder}"
 
 
 def load_contacts(conn: psycopg.Connection, user_ids: Sequence[int], policy: ContactPolicy, *, ref: datetime,

@@ -3,12 +3,14 @@
 --     mint, scheduled claim; manual and backfill runs are lifecycle mints) locks its users' rows
 --     FOR UPDATE, in user_id order, in the claim transaction, and re-checks the policy after the
 --     lock: concurrent claimers of one user serialise, so at most one claim within the policy wins.
---   * send_log.email_key: the normalised address for deduplication (lower-cased local part @ IDNA
---     lower-cased domain); one live email per (campaign, address), enforced by a unique index.
+--   * mail.campaign_address: one email per (campaign, normalised address): the first user to claim
+--     an address for a campaign holds it; another user at that address gets a 'duplicate' row.
+--   * send_log.email_key: the normalised address (lower-cased local part @ IDNA lower-cased domain).
 --   * two terminal states: 'skipped' (held back by the policy, the campaign chose skip) and
 --     'duplicate' (another user of the campaign got the email at this address); the reason is in
 --     `error`, and an event is appended as for every change.
 --   * mail.campaign.on_policy: what a scheduled campaign does with a due email the policy holds back.
+-- Only brief locks (new tables, a metadata-only column, a NOT VALID check): safe on a live send log.
 -- Every timestamp is timestamptz (stored in UTC).
 
 create table mail.contact (
@@ -27,9 +29,21 @@ alter table mail.send_log add column email_key text;
 comment on column mail.send_log.email_key is
     'Normalised address for deduplication: local part lower-cased @ IDNA (punycode) domain lower-cased; '
     'null for rows written before migration 0007.';
--- One live email per (campaign, address): a second user with the same mailbox gets a 'duplicate' row.
-create unique index send_log_campaign_address_uq on mail.send_log (campaign, email_key)
-    where email_key is not null and status in ('pending', 'sending', 'sent');
+create table mail.campaign_address (
+    campaign   text        not null,
+    email_key  text        not null,
+    user_id    bigint      not null,
+    created_at timestamptz not null default now(),
+    primary key (campaign, email_key)
+);
+comment on table mail.campaign_address is
+    'One email per campaign and normalised address: the user who first claimed the address for the '
+    'campaign (lifecycle mint or scheduled claim, in the claim transaction). Another user at the same '
+    'address gets a send_log row with status duplicate naming this user.';
+comment on column mail.campaign_address.campaign is 'Campaign name (mail.send_log.campaign).';
+comment on column mail.campaign_address.email_key is 'Normalised address (see mail.send_log.email_key).';
+comment on column mail.campaign_address.user_id is 'The user who holds the address for this campaign.';
+comment on column mail.campaign_address.created_at is 'When it was claimed (timestamptz, UTC).';
 
 -- Widen the status check with the two new terminal states, keeping whatever states the constraint
 -- already allows (another migration may have added some).
@@ -46,8 +60,9 @@ begin
                                                                      'cancelled', 'skipped', 'duplicate']) as s
                      order by s);
     execute 'alter table mail.send_log drop constraint if exists send_log_status_check';
-    execute format('alter table mail.send_log add constraint send_log_status_check check (status = any (%L::text[]))',
-                   allowed);
+    -- NOT VALID: no scan under an exclusive lock; every existing row passed the narrower check
+    execute format('alter table mail.send_log add constraint send_log_status_check '
+                   'check (status = any (%L::text[])) not valid', allowed);
 end
 $$;
 

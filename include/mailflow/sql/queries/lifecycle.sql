@@ -59,11 +59,9 @@ select count(*) from (
 
 -- name: mint
 -- Mint one chunk as claimed ('sending') rows, under the contact guard (the caller holds the users'
--- mail.contact locks and has re-checked the policy). ON CONFLICT DO NOTHING on every unique key:
--- the live (user, campaign) key (a concurrent run's row is never sent twice) and the live
--- (campaign, email_key) key (one email per normalised address: the caller records the losers as
--- 'duplicate'). The claimed set is exactly the rows RETURNING gives back. The 'minted' event is
--- appended in the same statement.
+-- mail.contact locks, has re-checked the policy and holds the addresses). ON CONFLICT DO NOTHING on
+-- the live (user, campaign) key: the claimed set is exactly the rows RETURNING gives back (a
+-- concurrent run's row is never sent twice). The 'minted' event is appended in the same statement.
 with minted as (
     insert into mail.send_log (user_id, campaign, kind, email, email_key, context, status, claimed_at, attempts,
                                dag_id, run_id, task_id, data_interval_start, data_interval_end)
@@ -71,7 +69,7 @@ with minted as (
            %(dag_id)s, %(run_id)s, %(task_id)s, %(interval_start)s, %(interval_end)s
     from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, email_key text, context jsonb)
     order by p.user_id
-    on conflict do nothing
+    on conflict (user_id, campaign) where released_at is null do nothing
     returning id, user_id, email, context
 ), ev as (
     insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
@@ -98,10 +96,19 @@ insert into mail.send_event (send_log_id, from_status, to_status, attempt, error
 select id, null, status, 0, error, %(dag_id)s, %(run_id)s, %(task_id)s from made
 returning send_log_id
 
+-- name: reserve_addresses
+-- One email per (campaign, normalised address): the first user to claim an address holds it
+-- (mail.campaign_address). Keys in sorted order, so concurrent claimers never deadlock on them; a
+-- claimer waits for an uncommitted reservation of the same key, then sees its holder.
+insert into mail.campaign_address (campaign, email_key, user_id)
+select %(campaign)s, r.k, r.u from unnest(%(keys)s::text[], %(uids)s::bigint[]) as r(k, u)
+order by r.k, r.u
+on conflict (campaign, email_key) do nothing
+
 -- name: address_holders
--- Who holds the campaign's live email at these normalised addresses (the 'duplicate' reason).
-select email_key, user_id, id from mail.send_log
-where campaign = %(campaign)s and email_key = any(%(keys)s::text[]) and status in ('pending', 'sending', 'sent')
+-- Who holds these normalised addresses for the campaign (the 'duplicate' reason names them).
+select email_key, user_id from mail.campaign_address
+where campaign = %(campaign)s and email_key = any(%(keys)s::text[])
 
 -- name: rejected_in_run
 -- Normalised addresses the provider rejected earlier in this run (any campaign): a lower-priority
