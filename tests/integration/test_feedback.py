@@ -98,7 +98,7 @@ def rig(db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess) -> Itera
 
 
 USERS = {1: "user1@example.com", 2: "user2@example.com", 3: "User3@Example.com", 4: "user4@example.com",
-         5: "user5@example.com"}
+         5: "user5@example.com"}  # user 3's address is sent (and recorded) with its domain lower-cased
 
 
 def test_bounces_and_complaints_are_suppressed_exactly_once_and_excluded_from_the_next_run(rig: Rig) -> None:
@@ -114,16 +114,16 @@ def test_bounces_and_complaints_are_suppressed_exactly_once_and_excluded_from_th
     assert summary.events == {"delivered": 3, "bounced": 1, "complained": 1}
     assert summary.requests == 5 and client.pacer.claims == 5  # type: ignore[attr-defined]  # one slot per GET
     assert rig.suppressions() == [(None, "user2@example.com", "all", "bounce"),
-                                  (None, "User3@Example.com", "all", "complaint")]
+                                  (None, "User3@example.com", "all", "complaint")]
     ids = dict(rig.db.execute("select email, id from mail.send_log").fetchall())
     pids = dict(rig.db.execute("select email, provider_message_id from mail.send_log").fetchall())
     reasons = [r[0] for r in rig.db.execute("select reason from mail.suppression order by id").fetchall()]
     assert reasons == [f"provider last_event bounced (send_log {ids['user2@example.com']}, "
                        f"email {pids['user2@example.com']})",
-                       f"provider last_event complained (send_log {ids['User3@Example.com']}, "
-                       f"email {pids['User3@Example.com']})"]
+                       f"provider last_event complained (send_log {ids['User3@example.com']}, "
+                       f"email {pids['User3@example.com']})"]
     assert rig.statuses() == {"user1@example.com": ("delivered", False, 1), "user2@example.com": ("bounced", True, 1),
-                              "User3@Example.com": ("complained", True, 1), "user4@example.com": ("delivered", False, 1),
+                              "User3@example.com": ("complained", True, 1), "user4@example.com": ("delivered", False, 1),
                               "user5@example.com": ("delivered", False, 1)}
 
     # a second poll right away: nothing is due (recheck after 2 h), nothing is added, no request
