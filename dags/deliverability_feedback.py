@@ -2,9 +2,10 @@
 ### deliverability_feedback
 
 Every 30 minutes, ask the email API what became of recent sends (`GET /emails/{id}` ->
-`last_event`) and stop all further mail to addresses that **hard-bounced** (`bounced`) or
-**complained** (marked as spam): each becomes a row of `mail.suppression` (scope `all`, source
-`bounce` / `complaint`), which the lifecycle audiences and the scheduled dispatcher honour.
+`last_event`) and stop all further mail to addresses that **hard-bounced** (`bounced`),
+**complained** (marked as spam) or are on the provider's suppression list (`suppressed`): each
+becomes a row of `mail.suppression` (scope `all`, source `bounce` / `complaint` /
+`provider_suppressed`), which the lifecycle audiences and the scheduled dispatcher honour.
 
 * Which emails: `sent` rows of the last `lookback_hours`, first checked `min_age_minutes` after
   sending, re-checked after `recheck_after_minutes` (doubling each time) at most
@@ -16,7 +17,14 @@ Every 30 minutes, ask the email API what became of recent sends (`GET /emails/{i
 * Safe to retry or re-run: suppressions are `ON CONFLICT DO NOTHING`, each email's record is one
   transaction.
 * Webhooks (`email.bounced`, `email.complained`) are the push alternative: see docs/unsubscribe.md.
-* Connections: `send_log_db`, `resend_default`. Pool `email_provider`.
+* Recipient check: the provider's `to` must be the send log's address (normalised); on a mismatch
+  nobody is suppressed and the run alerts. `suppressed` (Resend's own suppression list) suppresses
+  the address too; `failed` alerts. Every decision is an event of the email (`mail.send_event`).
+* **Needs a full-access API key.** It reads emails (`GET /emails/{id}`), which a sending-only key
+  may not (401 `restricted_api_key`: the task fails saying so). Keep the senders on a sending-only
+  key and give this DAG its own connection: set `MAILFLOW_FEEDBACK_CONN_ID` (e.g.
+  `resend_full_access`, a `resend` connection with a full-access key); default `resend_default`.
+* Connections: `send_log_db`, `MAILFLOW_FEEDBACK_CONN_ID` (default `resend_default`). Pool `email_provider`.
 """
 
 from datetime import timedelta

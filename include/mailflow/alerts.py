@@ -70,6 +70,16 @@ def task_failure_alert(context: Any) -> None:
     notifier(f"task failed: {where}: {context.get('exception')}", subject=f"mailflow task failed: {where}")(context)
 
 
+def feedback_alert(lines: list[str], context: Any) -> None:
+    """Alert once for the feedback decisions a person must look at (recipient mismatches, provider
+    failures); each line names the send-log row, the masked address and the provider id."""
+    if not lines:
+        return
+    body = [f"deliverability feedback: {len(lines)} email(s) need a look (nothing was suppressed for them):"]
+    body += [f"  {line}" for line in lines[:50]] + ([f"  ... and {len(lines) - 50} more"] if len(lines) > 50 else [])
+    notifier("\n".join(body), subject=f"mailflow: {len(lines)} feedback decision(s) to check")(context)
+
+
 def dead_letter_alert(dead_letters: list[dict[str, Any]], context: Any) -> None:
     """Alert once for the dead letters a reconcile run created (no-op for an empty list)."""
     if not dead_letters:

@@ -1,5 +1,5 @@
 """Deliverability feedback: ask the provider what became of recent sends and suppress the addresses
-that hard-bounced or complained, so no further mail goes to them.
+that hard-bounced, complained or are on the provider's suppression list, so no further mail goes to them.
 
 The ``deliverability_feedback`` DAG calls :func:`feedback_task` every 30 minutes. One run reads the
 send log's ``sent`` emails of the last ``lookback`` hours that are due for a check (see
@@ -10,11 +10,25 @@ field ``last_event``), and per email, in one transaction:
   ``bounced``, ``complained``, ``failed``, ``canceled`` and an email the provider no longer knows),
   so an email is polled at most ``max_checks`` times, spaced ``recheck_after * 2^(checks - 1)``
   apart, and never again after a final event;
+* **checks the recipient first**: the Email object's ``to`` must be exactly the send log's address
+  (normalised: display name dropped, trimmed, compared case-insensitively, local part included).
+  On a mismatch (ids attached to the wrong rows, e.g. a provider answering a batch out of order)
+  nobody is suppressed, the email is recorded as ``recipient_mismatch`` (final) and the run alerts;
 * for ``bounced`` (Resend reports a permanent rejection as ``bounced``; temporary problems are
-  ``delivery_delayed``) and ``complained`` (the recipient marked it as spam), inserts a suppression
-  of the **address** for all mail (``scope = 'all'``, source ``bounce`` / ``complaint``,
-  ``ON CONFLICT DO NOTHING``). The audiences and the scheduled dispatcher exclude suppressed
-  addresses case-insensitively.
+  ``delivery_delayed``), ``complained`` (the recipient marked it as spam) and ``suppressed`` (the
+  address is on Resend's own suppression list: the email was not delivered), inserts a suppression
+  of the **address** for all mail (``scope = 'all'``, source ``bounce`` / ``complaint`` /
+  ``provider_suppressed``, ``ON CONFLICT DO NOTHING``). The audiences and the scheduled dispatcher
+  exclude suppressed addresses case-insensitively;
+* for ``failed`` (the provider could not send it; the cause may be ours, so the address is not
+  suppressed: invariant 8), records it (final) and alerts, so a person looks;
+* records every decision (suppressed, already suppressed, mismatch, failed) as an event of the email
+  in ``mail.send_event`` (``sent -> sent``: the row stays ``sent``, its request was accepted; the
+  event's ``error`` says what the provider reported and what was decided), so
+  ``mail.user_email_history`` shows it.
+
+Needs a **full-access** API key: a sending-only key gets 401 ``restricted_api_key`` on
+``GET /emails/{id}`` (``settings.FEEDBACK_CONN_ID`` may name a connection of its own).
 
 Requests go through the same client and the same shared pacer as sends: each GET claims a slot
 first (``client.pacer.claim()``), honours 429 ``retry-after`` by pushing the shared schedule back
@@ -26,6 +40,7 @@ Webhooks (``email.bounced``/``email.complained``) are the push alternative (docs
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,28 +50,52 @@ from typing import Any
 import httpx
 import psycopg
 
-from mailflow.provider.client import ResendClient, parse_retry_after
+from mailflow.model import RunContext
+from mailflow.provider.client import ResendClient, _error_fields, parse_retry_after
+from mailflow.provider.errors import describe_refusal
 from mailflow.sql import query
 
 log = logging.getLogger(__name__)
 
-SUPPRESSING_EVENTS = {"bounced": "bounce", "complained": "complaint"}
+SUPPRESSING_EVENTS = {"bounced": "bounce", "complained": "complaint", "suppressed": "provider_suppressed"}
 """last_event -> mail.suppression.source for the events that stop all further mail to the address."""
-FINAL_EVENTS = frozenset({"bounced", "complained", "failed", "canceled", "cancelled", "not_found"})
+MISMATCH = "recipient_mismatch"
+"""Recorded instead of the provider's last_event when its ``to`` is not the send log's address."""
+FINAL_EVENTS = frozenset({"bounced", "complained", "suppressed", "failed", "canceled", "cancelled", "not_found",
+                          MISMATCH})
 """Events after which an email is not polled again (``not_found``: the provider no longer has it)."""
 MAX_CONSECUTIVE_ERRORS = 5
 
 
 class FeedbackError(RuntimeError):
-    """The provider refused the API key (401/403): a person must fix the named connection."""
+    """The provider refused the request (401/403: a sending-only or unknown key, ...): a person must
+    fix the named connection (the message says how, :func:`mailflow.provider.errors.describe_refusal`)."""
+
+
+def normalise_address(value: str) -> str:
+    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"``: the address of an RFC 5322 mailbox,
+    trimmed; the domain is case-insensitive (RFC 5321 section 2.4) and so, in practice, is the local
+    part (every mailbox provider we send to treats it so), so both are lower-cased."""
+    _name, addr = email.utils.parseaddr(value.strip())
+    return (addr or value).strip().lower()
+
+
+def recipient_matches(to: Any, address: str) -> bool:
+    """True if the provider's ``to`` (a list of addresses, or one string) is exactly ``address``,
+    normalised. Several recipients, none, or another one: False (we send one recipient per email)."""
+    items = [to] if isinstance(to, str) else to if isinstance(to, list) else []
+    return [normalise_address(str(a)) for a in items] == [normalise_address(address)]
 
 
 @dataclass
 class FeedbackSummary:
     """Counts of one poll (emails). ``due`` = emails selected for a check, ``checked`` = answers
     recorded, ``events`` = answers by last_event, ``suppressed`` = new suppressions,
-    ``already_suppressed`` = bounces/complaints whose address was suppressed before, ``errors`` =
-    emails left for a later run after retries, ``stopped`` = why the run ended early (or None)."""
+    ``already_suppressed`` = bounces/complaints whose address was suppressed before,
+    ``provider_suppressed`` / ``failed`` = last_event suppressed / failed, ``mismatched`` = answers
+    whose ``to`` was not the send log's address (nothing suppressed), ``errors`` = emails left for a
+    later run after retries, ``stopped`` = why the run ended early (or None). ``alerts`` lists the
+    mismatches and failures (send-log id, masked address, provider id) for the run's alert."""
 
     due: int = 0
     checked: int = 0
@@ -64,11 +103,15 @@ class FeedbackSummary:
     complained: int = 0
     suppressed: int = 0
     already_suppressed: int = 0
+    provider_suppressed: int = 0
+    failed: int = 0
+    mismatched: int = 0
     not_found: int = 0
     errors: int = 0
     requests: int = 0
     stopped: str | None = None
     events: dict[str, int] = field(default_factory=dict)
+    alerts: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the task's XCom)."""
@@ -128,7 +171,7 @@ class PacedReader:
                 if status == 404:
                     return _Answer("not_found")
                 if status in (401, 403):
-                    raise FeedbackError(f"provider refused the API key of connection {c.conn_id!r}: HTTP {status}")
+                    raise FeedbackError(describe_refusal(status, *_error_fields(resp), c.conn_id).message)
                 last = f"HTTP {status}: {resp.text[:200]}"
                 if status == 429:
                     c.stats["429"] += 1
@@ -152,7 +195,8 @@ class PacedReader:
 
 def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: timedelta = timedelta(hours=48),
                   min_age: timedelta = timedelta(minutes=5), recheck_after: timedelta = timedelta(hours=2),
-                  max_checks: int = 4, limit: int = 500, budget_seconds: float = 600.0) -> FeedbackSummary:
+                  max_checks: int = 4, limit: int = 500, budget_seconds: float = 600.0,
+                  run: RunContext | None = None) -> FeedbackSummary:
     """Check the delivery status of recent sends once and suppress hard bounces and complaints.
 
     :param conn: psycopg 3 connection to the send log (autocommit is switched on; each email's
@@ -164,6 +208,7 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
     :param max_checks: polls per email at most (then its last answer stands).
     :param limit: emails per run at most (requests: about one each, more with retries).
     :param budget_seconds: no request starts after this many seconds (monotonic).
+    :param run: the Airflow run, recorded on the decisions' send events.
     :returns: the run's :class:`FeedbackSummary`.
     :raises FeedbackError: on 401/403 (after recording what was checked before).
     :raises ValueError: for a non-positive limit or max_checks.
@@ -197,8 +242,12 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
                     break
                 continue
             consecutive_errors = 0
-            event = "not_found" if answer.kind == "not_found" else str((answer.body or {}).get("last_event") or "unknown")
-            _record(conn, summary, int(send_log_id), str(email), str(provider_id), event)
+            body = answer.body or {}
+            event = "not_found" if answer.kind == "not_found" else str(body.get("last_event") or "unknown")
+            if answer.kind == "ok" and not recipient_matches(body.get("to"), str(email)):
+                event = MISMATCH  # never act on what may be another person's email
+            _record(conn, summary, int(send_log_id), str(email), str(provider_id), event, run or RunContext(),
+                    reported=str(body.get("last_event") or ""))
     finally:
         summary.requests = reader.requests
         log.info("deliverability feedback: %s", summary.as_dict())
@@ -206,7 +255,10 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
 
 
 def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int, email: str, provider_id: str,
-            event: str) -> None:
+            event: str, run: RunContext, reported: str = "") -> None:
+    from mailflow.store import mask_email
+
+    decision: str | None = None
     with conn.transaction():
         conn.execute(query("feedback", "record_check"), {
             "id": send_log_id, "pid": provider_id, "event": event, "final": event in FINAL_EVENTS})
@@ -217,8 +269,23 @@ def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int
                 "reason": f"provider last_event {event} (send_log {send_log_id}, email {provider_id})"}).fetchone()
             if row is None:
                 summary.already_suppressed += 1
+                decision = f"feedback: last_event {event}; address already suppressed"
             else:
                 summary.suppressed += 1
+                decision = f"feedback: last_event {event}; address suppressed for all mail (source {source})"
+        elif event == MISMATCH:
+            decision = (f"feedback: provider email {provider_id} is addressed to someone else (last_event "
+                        f"{reported or 'unknown'}); nobody suppressed, a person must check the provider ids")
+        elif event == "failed":
+            decision = "feedback: last_event failed (the provider did not send it); address not suppressed"
+        if decision is not None:
+            conn.execute(query("feedback", "record_decision"), {
+                "id": send_log_id, "pid": provider_id, "decision": decision,
+                "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
+    if event in (MISMATCH, "failed"):
+        summary.alerts.append(f"send_log.id={send_log_id} to={mask_email(email)} provider id={provider_id}: "
+                              f"{decision}")
+        log.warning("email %s (send_log %s): %s", provider_id, send_log_id, decision)
     summary.checked += 1
     summary.events[event] = summary.events.get(event, 0) + 1
     if event == "bounced":
@@ -227,6 +294,12 @@ def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int
         summary.complained += 1
     elif event == "not_found":
         summary.not_found += 1
+    elif event == "suppressed":
+        summary.provider_suppressed += 1
+    elif event == "failed":
+        summary.failed += 1
+    elif event == MISMATCH:
+        summary.mismatched += 1
 
 
 def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +308,8 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     ``time_budget_seconds``. Connections ``send_log_db`` and ``resend_default``. Returns the
     :class:`FeedbackSummary` as a dict.
 
-    :raises FeedbackError: if the provider refuses the API key.
+    :raises FeedbackError: if the provider refuses the API key (a sending-only key: use a full-access
+        key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name its own connection).
     """
     from mailflow import settings
     from mailflow.migrate import require_current
@@ -243,6 +317,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     from mailflow.tasks import budget_fits, send_log_connection
 
     params = context["params"]
+    ti = context.get("ti")
     budget = budget_fits(context, float(params.get("time_budget_seconds", 600)), settings.FEEDBACK_CONN_ID)
     started = time.monotonic()
     with send_log_connection() as conn:
@@ -258,8 +333,13 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
                 max_checks=int(params.get("max_checks_per_email", 4)),
                 limit=int(params.get("max_emails_per_run", 500)),
                 budget_seconds=budget,
+                run=RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id) if ti is not None else None,
             )
         finally:
             client.close()
             log.info("provider requests: %s (%.1f s)", client.stats, time.monotonic() - started)
+    if summary.alerts:
+        from mailflow.alerts import feedback_alert
+
+        feedback_alert(summary.alerts, context)
     return summary.as_dict()

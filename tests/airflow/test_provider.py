@@ -75,8 +75,13 @@ def test_settings_and_test_connection_ok(resend_conn: str, emulator) -> None:
                  "pacer_conn_id": "send_log_db"}
     ok, message = hook.test_connection()
     assert ok is True
-    assert message == f"API key accepted by {emulator.base_url}"
+    assert message == (f"API key accepted by {emulator.base_url} with full access: every DAG can use connection "
+                       "'resend_test' (domains: mailflow.example)")
     assert "re_test_emulator" not in message
+    # the probe is a POST /emails/batch that can never send (an empty batch), then GET /domains
+    stats = emulator.stats()
+    assert stats["accepted_emails"] == 0 and stats["outbox_lines"] == 0
+    assert stats["responses_by_status"] == {"422": 1, "200": 1}
 
 
 def test_test_connection_bad_key(monkeypatch: pytest.MonkeyPatch, emulator) -> None:
@@ -84,8 +89,30 @@ def test_test_connection_bad_key(monkeypatch: pytest.MonkeyPatch, emulator) -> N
         {"conn_type": "resend", "host": emulator.base_url, "password": "re_wrong"}))
     ok, message = ResendHook("resend_bad").test_connection()
     assert ok is False
-    assert message.startswith(f"{emulator.base_url} answered HTTP 403")
+    assert message.startswith("the provider does not know the API key of connection 'resend_bad' "
+                              "(HTTP 403 invalid_api_key: API key is invalid)")
     assert "re_wrong" not in message
+
+
+def test_test_connection_tells_a_sending_only_key_from_an_invalid_one(monkeypatch: pytest.MonkeyPatch,
+                                                                        emulator) -> None:
+    """Resend's recommended sending-only key is valid: ok, and the message says what it cannot do."""
+    emulator.configure(restricted_keys=["re_sending_only"])
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_SEND", json.dumps(
+        {"conn_type": "resend", "host": emulator.base_url, "password": "re_sending_only"}))
+    ok, message = ResendHook("resend_send").test_connection()
+    assert ok is True
+    assert message == (f"API key accepted by {emulator.base_url} for sending only (GET /domains: 401 "
+                       "restricted_api_key): lifecycle_emails, dispatch_scheduled_emails and reconcile_send_log "
+                       "work; deliverability_feedback reads emails and needs a full-access key (set "
+                       "MAILFLOW_FEEDBACK_CONN_ID to a connection that holds one)")
+    stats = emulator.stats()
+    assert stats["accepted_emails"] == 0 and stats["errors_by_name"] == {"validation_error": 1,
+                                                                         "restricted_api_key": 1}
+    # the same key once revoked (the emulator no longer knows it): invalid, with the fix
+    emulator.configure(restricted_keys=[])
+    ok, message = ResendHook("resend_send").test_connection()
+    assert ok is False and "does not know the API key of connection 'resend_send'" in message
 
 
 def test_missing_api_key_names_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -156,8 +156,8 @@ def test_409_invalid_idempotent_request_is_fatal_unknown(emulator) -> None:
 def test_401_and_403_stop_naming_the_connection(emulator) -> None:
     with client(emulator, api_key="re_wrong") as c:
         out = c.send_batch(one_batch(2), far())
-    assert isinstance(out, NotSent) and out.fatal and out.stop_run == "authentication failed"
-    assert "connection 'resend_default'" in out.reason
+    assert isinstance(out, NotSent) and out.fatal and out.stop_run == "invalid API key"
+    assert "connection 'resend_default'" in out.reason and "403 invalid_api_key" in out.reason
     assert c.stats["requests"] == 1
 
 

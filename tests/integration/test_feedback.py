@@ -4,6 +4,7 @@ pacer, the exact suppression rows, the next run excluding them, and bounded re-p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -13,6 +14,7 @@ import psycopg
 import pytest
 from conftest import UNSUBSCRIBE_SECRET
 
+from mailflow.alerts import feedback_alert
 from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.engine import run_lifecycle
@@ -182,3 +184,91 @@ def test_a_time_budget_stops_the_poll_before_the_next_request(rig: Rig) -> None:
     s = rig.poll(budget_seconds=0)
     assert (s.due, s.checked, s.requests, s.stopped) == (2, 0, 0, "time budget")
     assert rig.statuses() == {}
+
+
+# -- issue 13: the recipient check, suppressed and failed, decisions as send events, key types -----
+
+def events_of(rig: Rig) -> list[tuple[Any, ...]]:
+    return rig.db.execute("select l.email, e.from_status, e.to_status, e.error, e.provider_message_id = l.provider_message_id,"
+                          " e.dag_id, e.run_id, e.task_id from mail.send_event e join mail.send_log l on l.id = e.send_log_id"
+                          " where e.error like 'feedback:%' order by e.id").fetchall()
+
+
+def test_a_recipient_mismatch_suppresses_nobody_and_alerts(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com"})
+    rig.emulator.configure(bounce=["user2@example.com"])
+    rig.send("feedback_a")
+    # the provider ids ended up on each other's rows (e.g. a batch answered out of order)
+    ids = dict(rig.db.execute("select user_id, provider_message_id from mail.send_log").fetchall())
+    rig.db.execute("update mail.send_log set provider_message_id = 'tmp' where user_id = 1")
+    rig.db.execute("update mail.send_log set provider_message_id = %s where user_id = 2", (ids[1],))
+    rig.db.execute("update mail.send_log set provider_message_id = %s where user_id = 1", (ids[2],))
+
+    s = rig.poll(run=RunContext(dag_id="deliverability_feedback", run_id="r1", task_id="poll_feedback"))
+    assert (s.checked, s.mismatched, s.suppressed, s.bounced, s.errors) == (2, 2, 0, 0, 0)
+    assert s.events == {"recipient_mismatch": 2}
+    assert rig.suppressions() == []  # user1 would have been suppressed for user2's bounce
+    assert rig.statuses() == {"user1@example.com": ("recipient_mismatch", True, 1),
+                              "user2@example.com": ("recipient_mismatch", True, 1)}
+    assert events_of(rig) == [
+        ("user1@example.com", "sent", "sent", f"feedback: provider email {ids[2]} is addressed to someone else "
+         "(last_event bounced); nobody suppressed, a person must check the provider ids", True,
+         "deliverability_feedback", "r1", "poll_feedback"),
+        ("user2@example.com", "sent", "sent", f"feedback: provider email {ids[1]} is addressed to someone else "
+         "(last_event delivered); nobody suppressed, a person must check the provider ids", True,
+         "deliverability_feedback", "r1", "poll_feedback")]
+    assert len(s.alerts) == 2 and all("user1@example.com" not in a and "user2@example.com" not in a for a in s.alerts)
+    assert rig.poll(recheck_after=timedelta(0)).due == 0  # final: a person decides
+    with caplog.at_level(logging.ERROR, logger="mailflow.alerts"):
+        feedback_alert(s.alerts, {})
+    [alert] = [r.getMessage() for r in caplog.records if r.name == "mailflow.alerts"]
+    assert alert.startswith("ALERT: deliverability feedback: 2 email(s) need a look (nothing was suppressed for them):")
+    assert "u***@example.com provider id=" in alert and "user1@example.com" not in alert
+
+
+def test_provider_suppressed_is_suppressed_and_failed_alerts_without_suppressing(rig: Rig) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com", 3: "user3@example.com"})
+    rig.emulator.configure(suppress=["user1@example.com"], fail=["user2@example.com"])
+    rig.send("feedback_a")
+    s = rig.poll()
+    assert (s.checked, s.provider_suppressed, s.failed, s.suppressed, s.mismatched) == (3, 1, 1, 1, 0)
+    assert s.events == {"suppressed": 1, "failed": 1, "delivered": 1}
+    assert rig.suppressions() == [(None, "user1@example.com", "all", "provider_suppressed")]
+    assert rig.statuses() == {"user1@example.com": ("suppressed", True, 1), "user2@example.com": ("failed", True, 1),
+                              "user3@example.com": ("delivered", False, 1)}
+    assert [(e[0], e[3]) for e in events_of(rig)] == [
+        ("user1@example.com", "feedback: last_event suppressed; address suppressed for all mail "
+                              "(source provider_suppressed)"),
+        ("user2@example.com", "feedback: last_event failed (the provider did not send it); address not suppressed")]
+    assert len(s.alerts) == 1 and "last_event failed" in s.alerts[0]
+    # no longer mailed: the next run skips the address on the provider's suppression list
+    assert rig.send("feedback_b") == {2: "sent", 3: "sent"}
+
+
+def test_every_suppression_decision_is_a_send_event_even_when_already_suppressed(rig: Rig) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com"})
+    rig.emulator.configure(bounce=["user1@example.com"], complain=["user2@example.com"])
+    rig.send("feedback_a")
+    rig.db.execute("insert into mail.suppression (email, scope, source) values ('USER2@example.com', 'all', 'manual')")
+    s = rig.poll()
+    assert (s.suppressed, s.already_suppressed) == (1, 1)
+    assert [(e[0], e[1], e[2], e[3], e[4]) for e in events_of(rig)] == [
+        ("user1@example.com", "sent", "sent", "feedback: last_event bounced; address suppressed for all mail "
+                                              "(source bounce)", True),
+        ("user2@example.com", "sent", "sent", "feedback: last_event complained; address already suppressed", True)]
+    assert s.alerts == []
+
+
+def test_a_sending_only_key_fails_the_poll_saying_it_needs_a_full_access_key(rig: Rig) -> None:
+    from mailflow.feedback import FeedbackError
+
+    rig.users({1: "user1@example.com"})
+    rig.send("feedback_a")
+    rig.emulator.configure(restricted_keys=["re_sending_only"])
+    restricted = ResendClient(rig.emulator.base_url, "re_sending_only", pacer=rig.client().pacer,
+                              policy=RetryPolicy(max_attempts=3, base=0.01, cap=0.05), conn_id="resend_default")
+    rig.closers.append(restricted)
+    with pytest.raises(FeedbackError, match=r"the API key of connection 'resend_default' is sending-only \(HTTP 401 "
+                                            r"restricted_api_key: .*\).*full-access key.*MAILFLOW_FEEDBACK_CONN_ID"):
+        rig.poll(restricted)
+    assert rig.statuses() == {} and rig.suppressions() == []

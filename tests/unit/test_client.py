@@ -265,13 +265,23 @@ def test_backoff_past_the_deadline_stops_with_time_budget() -> None:
 
 # -- 4xx -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("status,name", [(401, "missing_api_key"), (403, "invalid_api_key")])
-def test_auth_failure_is_fatal_and_names_the_connection(status: int, name: str) -> None:
-    rig = Rig(err(status, name, "API key is invalid"), conn_id="resend_prod")
+@pytest.mark.parametrize("status,name,message,kind,fix", [
+    (401, "missing_api_key", "Missing API key", "missing API key", "set the password of connection 'resend_prod'"),
+    (403, "invalid_api_key", "API key is invalid", "invalid API key", "Put a current key in the connection's password"),
+    (401, "restricted_api_key", "This API key is restricted to only send emails", "restricted API key",
+     "full-access key"),
+    (403, "validation_error", "The gmail.com domain is not verified. Please, add and verify your domain on "
+     "https://resend.com/domains", "domain not verified", "change the campaign's from address to a verified domain"),
+    (403, "validation_error", "You can only send testing emails to your own email address (o@x.org).",
+     "test-only account", "Verify a sending domain"),
+])
+def test_auth_failure_is_fatal_and_names_the_connection_and_the_fix(status: int, name: str, message: str, kind: str,
+                                                                    fix: str) -> None:
+    rig = Rig(err(status, name, message), conn_id="resend_prod")
     out = rig.send()
-    assert out == NotSent(reason=f"provider refused the API key of connection 'resend_prod': "
-                                 f"HTTP {status} {name}: API key is invalid",
-                          stop_run="authentication failed", fatal=True)
+    assert isinstance(out, NotSent) and out.fatal and out.stop_run == kind
+    assert "connection 'resend_prod'" in out.reason and fix in out.reason
+    assert f"HTTP {status} {name}: {message}" in out.reason
     assert len(rig.requests) == 1
     assert "re_secret_key" not in out.reason
 

@@ -125,3 +125,27 @@ def test_no_request_starts_at_or_after_the_deadline() -> None:
     clock.advance(50.0)
     answer = r.get_email(PID, deadline=50.0)
     assert (answer.kind, answer.reason, len(seen)) == ("stop", "time budget", 0)
+
+
+@pytest.mark.parametrize("to,address,same", [
+    (["user3@example.com"], "User3@Example.com", True),
+    (["  Name <USER3@EXAMPLE.COM> "], "user3@example.com", True),
+    ("user3@example.com", "user3@example.com", True),  # a bare string, though the spec says a list
+    (["user4@example.com"], "user3@example.com", False),
+    (["user3@example.com", "user4@example.com"], "user3@example.com", False),  # we send one recipient
+    ([], "user3@example.com", False),
+    (None, "user3@example.com", False),
+    (["user3@example.co"], "user3@example.com", False),
+])
+def test_recipient_matches_normalised(to: object, address: str, same: bool) -> None:
+    from mailflow.feedback import recipient_matches
+
+    assert recipient_matches(to, address) is same
+
+
+def test_restricted_key_names_the_fix() -> None:
+    r, _, _, _ = reader(httpx.Response(401, json={"statusCode": 401, "name": "restricted_api_key",
+                                                  "message": "This API key is restricted to only send emails"}))
+    with pytest.raises(FeedbackError, match="sending-only .*full-access key") as err:
+        r.get_email(PID, 100.0)
+    assert "re_secret" not in str(err.value)

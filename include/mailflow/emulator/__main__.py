@@ -40,9 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scramble-order", action="store_true")
     p.add_argument("--bounce", action="append", default=[], help="address whose last_event is bounced")
     p.add_argument("--complain", action="append", default=[], help="address whose last_event is complained")
+    p.add_argument("--suppress", action="append", default=[], help="address whose last_event is suppressed")
+    p.add_argument("--fail", action="append", default=[], help="address whose last_event is failed")
     p.add_argument("--retry-after-style", choices=("seconds", "fraction", "http-date"), default="seconds")
     p.add_argument("--no-store-bodies", dest="store_bodies", action="store_false")
-    p.add_argument("--domain", default="mailflow.example")
+    p.add_argument("--domain", default="mailflow.example", help="the verified sending domain")
+    p.add_argument("--restricted-keys", action="append", default=[], dest="restricted_keys",
+                   help="a sending-only API key (repeatable): 401 restricted_api_key on anything but sending")
+    p.add_argument("--check-from-domain", action=argparse.BooleanOptionalAction, default=False,
+                   help="403 validation_error for a `from` outside --domain")
+    p.add_argument("--test-only", action=argparse.BooleanOptionalAction, default=False,
+                   help="403 validation_error for any recipient but --owner-email")
+    p.add_argument("--owner-email", default="owner@mailflow.example")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=False,
                    help="register the unauthenticated /_emulator/* control API")
@@ -66,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         latency_ms=args.latency_ms, latency_jitter_ms=args.latency_jitter_ms, timeout_rate=args.timeout_rate,
         hang_seconds=args.hang_seconds, reset_after_accept_rate=args.reset_after_accept_rate,
         reset_mode=args.reset_mode, strict_only=args.strict_only, scramble_order=args.scramble_order,
-        bounce=tuple(args.bounce), complain=tuple(args.complain),
+        bounce=tuple(args.bounce), complain=tuple(args.complain), suppress=tuple(args.suppress),
+        fail=tuple(args.fail),
         retry_after_style=args.retry_after_style, store_bodies=args.store_bodies, domain=args.domain,
         seed=args.seed, idempotency_store=args.idempotency_store,
+        restricted_keys=tuple(args.restricted_keys), check_from_domain=args.check_from_domain,
+        test_only=args.test_only, owner_email=args.owner_email,
     )
     app = create_app(config)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -69,9 +69,18 @@ class EmulatorConfig:
     scramble_order: bool = False  # (runtime) shuffle batch `data` order: a deliberately broken provider
     bounce: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "bounced"
     complain: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "complained"
+    suppress: tuple[str, ...] = ()  # (runtime) recipients on the account's suppression list: last_event "suppressed"
+    fail: tuple[str, ...] = ()  # (runtime) recipients whose email failed to send: last_event "failed"
     retry_after_style: str = "seconds"  # (runtime) "seconds" | "fraction" | "http-date" (contract)
     store_bodies: bool = True  # (runtime) keep html/text in memory for GET /emails/{id}
     domain: str = "mailflow.example"  # the one fake verified domain of GET /domains ("" = none)
+    # Key types and domain checks (contract "Errors"; all off by default):
+    restricted_keys: tuple[str, ...] = ()  # (runtime) sending-only keys: accepted by POST /emails and
+    #   /emails/batch only; any other endpoint answers 401 restricted_api_key
+    check_from_domain: bool = False  # (runtime) a `from` outside `domain` (or its subdomains): 403 validation_error
+    test_only: bool = False  # (runtime) an account without a verified domain: recipients other than
+    #   owner_email get 403 validation_error
+    owner_email: str = "owner@mailflow.example"  # (runtime) the account owner's address (test_only)
     seed: int = 0  # (runtime) seeds the fault RNG (re-seeded on reset)
     idempotency_ttl_seconds: float = 86400.0  # contract: keys kept for 24 hours
     # JSON-lines journal of idempotency records (API key hashed): loaded at start-up (records younger
@@ -83,6 +92,9 @@ class EmulatorConfig:
         self.api_keys = tuple(self.api_keys)
         self.bounce = tuple(a.strip().lower() for a in self.bounce)
         self.complain = tuple(a.strip().lower() for a in self.complain)
+        self.suppress = tuple(a.strip().lower() for a in self.suppress)
+        self.fail = tuple(a.strip().lower() for a in self.fail)
+        self.restricted_keys = tuple(self.restricted_keys)
 
     def public(self) -> dict[str, Any]:
         """The JSON-serialisable settings (everything but ``clock``)."""
@@ -94,6 +106,7 @@ _RUNTIME = {
     "rate_limit", "quota_emails", "error_rate", "latency_ms", "latency_jitter_ms", "timeout_rate",
     "hang_seconds", "reset_after_accept_rate", "reset_mode", "strict_only", "scramble_order",
     "bounce", "complain", "retry_after_style", "store_bodies", "seed",
+    "restricted_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
 }
 _CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date")}
 
@@ -104,12 +117,15 @@ def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig
     for key, value in update.items():
         if key not in _RUNTIME:
             raise ValueError(f"unknown or read-only setting {key!r}")
-        if key in ("bounce", "complain"):
+        if key in ("bounce", "complain", "suppress", "fail", "restricted_keys"):
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list | tuple) or not all(isinstance(a, str) for a in items):
-                raise ValueError(f"{key} must be a list of addresses")
+                raise ValueError(f"{key} must be a list of {'keys' if key == 'restricted_keys' else 'addresses'}")
             value = tuple(items)
-        elif key in ("strict_only", "scramble_order", "store_bodies"):
+        elif key == "owner_email":
+            if not isinstance(value, str) or _check_address(value) is None:
+                raise ValueError("owner_email must be an email address")
+        elif key in ("strict_only", "scramble_order", "store_bodies", "check_from_domain", "test_only"):
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be a boolean")
         elif key in _CHOICES:
@@ -364,7 +380,7 @@ class Emulator:
             raise ApiError(401, "missing_api_key", "Missing API key in the authorization header. Include the "
                            "following header in the request: Authorization: Bearer YOUR_API_KEY")
         key = auth[7:].strip()
-        if key not in self.cfg.api_keys:
+        if key not in self.cfg.api_keys and key not in self.cfg.restricted_keys:
             raise ApiError(403, "invalid_api_key", "API key is invalid")
         limit = self.cfg.rate_limit
         if limit <= 0:
@@ -404,6 +420,8 @@ class Emulator:
         rl: dict[str, str] = {}
         try:
             key, rl = self.admit(request)
+            if key in self.cfg.restricted_keys and handler != self.send:
+                raise ApiError(401, "restricted_api_key", "This API key is restricted to only send emails")
             if self.chance(self.cfg.timeout_rate):
                 self.stats["timeouts_injected"] += 1
                 self.count(Response(status_code=500), "internal_server_error")
@@ -512,6 +530,7 @@ class Emulator:
                     if not permissive:
                         raise ApiError(422, "validation_error", f"emails[{i}]: {err.message}") from None
                     errors.append({"index": i, "message": err.message})
+        self._check_domains([email for _, email in valid])
         quota = self.cfg.quota_emails
         if quota is not None and valid and self.accepted + len(valid) > quota:
             raise ApiError(429, "daily_quota_exceeded", f"You have reached your daily email sending quota "
@@ -538,6 +557,26 @@ class Emulator:
         if permissive:
             payload["errors"] = errors
         return 200, payload, stored
+
+    def _check_domains(self, emails: list[dict[str, Any]]) -> None:
+        """403 validation_error for an unverified `from` domain or, on a test-only account, any
+        recipient but the owner (contract "Errors"; Resend's wording). The whole request is refused."""
+        if self.cfg.check_from_domain:
+            verified = self.cfg.domain.lower()
+            for email in emails:
+                domain = (_check_address(email["from"]) or "").rpartition("@")[2].rstrip(">")
+                if not verified or (domain != verified and not domain.endswith("." + verified)):
+                    raise ApiError(403, "validation_error", f"The {domain} domain is not verified. Please, add "
+                                   "and verify your domain on https://resend.com/domains")
+        if self.cfg.test_only:
+            owner = self.cfg.owner_email.strip().lower()
+            for email in emails:
+                for addr in email["to"] + email["cc"] + email["bcc"]:
+                    if (_check_address(addr) or "").rpartition("<")[2].rstrip(">") != owner:
+                        raise ApiError(403, "validation_error", "You can only send testing emails to your own "
+                                       f"email address ({owner}). To send emails to other recipients, please verify "
+                                       "a domain at resend.com/domains, and change the `from` address to an email "
+                                       "using this domain.")
 
     def _write_outbox(self, stored: list[dict[str, Any]]) -> None:
         """Append one JSON line per email and flush, before any response is produced."""
@@ -569,9 +608,16 @@ class Emulator:
                 events.add("bounced")
             elif norm in self.cfg.complain:
                 events.add("complained")
+            elif norm in self.cfg.suppress:
+                events.add("suppressed")
+            elif norm in self.cfg.fail:
+                events.add("failed")
             elif domain == "resend.dev" and local.split("+")[0] in _TEST_DOMAIN_EVENTS:
                 events.add(_TEST_DOMAIN_EVENTS[local.split("+")[0]])
-        return "bounced" if "bounced" in events else "complained" if "complained" in events else "delivered"
+        for event in ("bounced", "complained", "suppressed", "failed"):
+            if event in events:
+                return event
+        return "delivered"
 
     def email_object(self, rec: dict[str, Any], full: bool) -> dict[str, Any]:
         obj = {"object": "email", "id": rec["id"], "to": rec["to"], "from": rec["from"],

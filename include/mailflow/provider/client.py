@@ -13,7 +13,8 @@ keys and rate limits):
   A timeout or a connection lost after the request was written makes the outcome *ambiguous*.
 * 409 ``concurrent_idempotent_requests``: retried later. 409 ``invalid_idempotent_request``:
   surfaced loudly, never resent under a fresh key.
-* 401/403: stop at once, naming the connection.
+* 401/403: stop at once, naming the connection and the fix (``provider.errors.describe_refusal``:
+  missing, restricted or invalid key, unverified domain, test-only account).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import httpx
 
 from mailflow.clock import Clock, SystemClock
 from mailflow.model import NotSent, Outcome, PreparedBatch, Refused, Unknown
+from mailflow.provider.errors import describe_refusal
 from mailflow.provider.pacing import Pacer
 from mailflow.reconcile import reconcile_by_index
 
@@ -175,9 +177,9 @@ class ResendClient:
                         return Unknown(reason=f"2xx with a body that is not JSON: {resp.text[:200]!r}")
                     return reconcile_by_index(n, payload)
                 last = f"HTTP {status} {name}: {message}"
-                if status in (401, 403):
-                    return give_up(f"provider refused the API key of connection {self.conn_id!r}: {last}",
-                                   stop="authentication failed", fatal=True)
+                if status in (401, 403):  # key, permission or domain: each named with its fix
+                    refusal = describe_refusal(status, name, message, self.conn_id)
+                    return give_up(refusal.message, stop=refusal.kind, fatal=True)
                 if status == 429 and name in QUOTA_ERRORS:
                     return give_up(f"provider quota exhausted: {last}", stop=name)
                 if status == 429:

@@ -97,15 +97,50 @@ class ResendHook(BaseHook):
         return self._client
 
     def test_connection(self) -> tuple[bool, str]:
-        """Call ``GET /domains`` (cheap, authenticated); return ``(ok, message)`` without the key."""
+        """Check the key without sending mail; return ``(ok, message)``, never the key.
+
+        Resend's sending-only keys (the kind Resend recommends for sending) get 401
+        ``restricted_api_key`` on everything but sending, so ``GET /domains`` alone would call a good
+        sending key bad. So, first a request a sending key may make: ``POST /emails/batch`` with an
+        empty array. The contract allows 1 to 100 emails, so the body is always refused by validation
+        (400/422) and nothing can be sent; an unknown key is refused before that (401/403). Then
+        ``GET /domains`` tells full access (200) from sending-only (401 ``restricted_api_key``), and
+        confirms an unknown key (403 ``invalid_api_key`` on every endpoint), should a provider ever
+        validate the body before the key. ok is True for a valid key of either type; the message says
+        which DAGs it serves.
+        """
+        from mailflow.provider.client import _error_fields
+        from mailflow.provider.errors import describe_refusal
+
         try:
             s = self.settings()
             conn = self._connection()
             with httpx.Client(base_url=s["base_url"], timeout=httpx.Timeout(10.0),
                               headers={"Authorization": f"Bearer {conn.password}"}) as http:
-                resp = http.get("/domains")
+                probe = http.post("/emails/batch", content=b"[]", headers={
+                    "Content-Type": "application/json", "x-batch-validation": "strict"})
+                domains = http.get("/domains") if probe.status_code not in (401, 403) else None
         except Exception as exc:  # a connection test reports, it does not raise
             return False, f"{type(exc).__name__}: {exc}"
-        if resp.status_code == 200:
-            return True, f"API key accepted by {s['base_url']}"
-        return False, f"{s['base_url']} answered HTTP {resp.status_code}: {resp.text[:200]}"
+        base, cid = s["base_url"], self.resend_conn_id
+        if probe.status_code in (401, 403):
+            return False, describe_refusal(probe.status_code, *_error_fields(probe), cid).message
+        if probe.status_code not in (200, 400, 422):
+            name, message = _error_fields(probe)
+            return False, (f"{base} answered the sending probe (POST /emails/batch []) with HTTP {probe.status_code} "
+                           f"{name}: {message}; the key could not be checked, try again")
+        assert domains is not None
+        if domains.status_code == 200:
+            names = [str(d.get("name")) for d in (domains.json().get("data") or []) if isinstance(d, dict)]
+            return True, (f"API key accepted by {base} with full access: every DAG can use connection {cid!r} "
+                          f"(domains: {', '.join(names) or 'none verified'})")
+        name, message = _error_fields(domains)
+        if domains.status_code == 401 and name == "restricted_api_key":
+            return True, (f"API key accepted by {base} for sending only (GET /domains: 401 restricted_api_key): "
+                          "lifecycle_emails, dispatch_scheduled_emails and reconcile_send_log work; "
+                          "deliverability_feedback reads emails and needs a full-access key (set "
+                          "MAILFLOW_FEEDBACK_CONN_ID to a connection that holds one)")
+        if domains.status_code == 403:
+            return False, describe_refusal(403, name, message, cid).message
+        return True, (f"API key accepted by {base} for sending; GET /domains answered HTTP {domains.status_code} "
+                      f"{name}: {message}")

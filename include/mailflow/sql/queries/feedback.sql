@@ -25,3 +25,12 @@ values (%(id)s, %(pid)s, %(event)s, %(final)s)
 on conflict (send_log_id) do update
     set last_event = excluded.last_event, final = excluded.final, provider_message_id = excluded.provider_message_id,
         checks = ds.checks + 1, checked_at = now()
+
+-- name: record_decision
+-- One feedback decision (suppressed, already suppressed, recipient mismatch, failed) as an event of
+-- the email: sent -> sent (the row stays sent: the provider accepted its request), the decision in
+-- error, the provider id asked about, and the Airflow run that decided. Only for a row still sent.
+insert into mail.send_event (send_log_id, from_status, to_status, error, provider_message_id, dag_id, run_id, task_id)
+select l.id, 'sent', 'sent', %(decision)s, %(pid)s, %(dag_id)s, %(run_id)s, %(task_id)s
+from mail.send_log l
+where l.id = %(id)s and l.status = 'sent'
