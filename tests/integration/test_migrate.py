@@ -216,10 +216,12 @@ def _lock_wait_script() -> object:
     return module
 
 
+@pytest.mark.slow
 def test_upgrade_from_0003_at_1m_rows_keeps_reads_and_writes_under_1s(pg_admin_dsn: str) -> None:
     """Issue 13: 1M send-log rows at 0003, then ``migrate()`` to head while a reader (by primary key)
-    and a writer (one-row update) run in loops. Took ~26 s here; main's migrator (0004 in one
-    transaction) made the reader wait 4.7 s on the same data."""
+    and a writer (one-row update) run in loops. 26-65 s on the shared 2-core machine (filling 1M rows
+    is most of it), hence ``slow``; ``pytest -m "not slow"`` leaves it out. Main's migrator before
+    issue 13 (0004 in one transaction) made the reader wait 4.7 s on the same data."""
     result = _lock_wait_script().measure(pg_admin_dsn, 1_000_000)  # type: ignore[attr-defined]
     assert result["applied"] == [m.name for m in migration_files() if m.version > 3]
     assert result["reader_error"] is None and result["writer_error"] is None
