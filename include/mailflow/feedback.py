@@ -302,14 +302,26 @@ def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int
         summary.mismatched += 1
 
 
+def _poll_or_fail(conn: psycopg.Connection, client: ResendClient, **kw: Any) -> FeedbackSummary:
+    """:func:`poll_feedback`, with a refused key turned into a failure without retries (the same key
+    is refused again: a person must change the connection)."""
+    try:
+        return poll_feedback(conn, client, **kw)
+    except FeedbackError as exc:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(str(exc)) from None
+
+
 def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     """The ``deliverability_feedback`` DAG's task: Params ``lookback_hours``, ``min_age_minutes``,
     ``recheck_after_minutes``, ``max_checks_per_email``, ``max_emails_per_run``,
-    ``time_budget_seconds``. Connections ``send_log_db`` and ``resend_default``. Returns the
+    ``time_budget_seconds``. Connections ``send_log_db`` and ``settings.FEEDBACK_CONN_ID``. Returns the
     :class:`FeedbackSummary` as a dict.
 
-    :raises FeedbackError: if the provider refuses the API key (a sending-only key: use a full-access
-        key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name its own connection).
+    :raises airflow.sdk.exceptions.AirflowFailException: if the provider refuses the API key (not
+        retried; a sending-only key: use a full-access key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name
+        its own connection).
     """
     from mailflow import settings
     from mailflow.migrate import require_current
@@ -325,7 +337,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
         require_current(conn)
         client = ResendHook(settings.FEEDBACK_CONN_ID).get_conn()
         try:
-            summary = poll_feedback(
+            summary = _poll_or_fail(
                 conn, client,
                 lookback=timedelta(hours=float(params.get("lookback_hours", 48))),
                 min_age=timedelta(minutes=float(params.get("min_age_minutes", 5))),

@@ -101,3 +101,26 @@ def test_a_task_checks_with_the_connections_real_timeouts(monkeypatch: pytest.Mo
     # 5 x (5 + 120) + 7.5 = 632.5 -> 633 s; 240 + 633 + 60 = 933 > 900
     with pytest.raises(AirflowFailException, match=r"240 s does not fit .* 900 s: .*\(633 s: .* at most 207 s"):
         budget_fits(_context(15), 240.0)
+
+
+@pytest.mark.airflow
+def test_dag_test_refuses_a_budget_that_cannot_fit_and_fails_a_slow_connection_before_sending(
+        airflow_db: Path, db_dsn: str, emulator: Any, dagbag: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real run: the Param refuses 3000 at trigger time; a connection whose timeouts make the
+    default budget too long fails the task once (no retry) before any request reaches the provider."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from mailflow import devenv
+
+    monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
+    monkeypatch.setenv("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", json.dumps({"conn_type": "generic", "password": "s" * 32}))
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
+        "conn_type": "resend", "host": emulator.base_url, "password": emulator.api_key,
+        "extra": {"timeout_seconds": 100}}))
+    dag = dagbag.dags["reconcile_send_log"]
+    with pytest.raises(ParamValidationError, match="3000 is greater than the maximum of 1100"):
+        dag.test(run_conf={"time_budget_seconds": 3000})
+    dr = dag.test()  # default budget 600 s + 5 x (5 + 200) + 7.5 = 1033 s + 60 s > 1500 s
+    ti = dr.get_task_instance("reconcile")
+    assert (dr.state, ti.state, ti.try_number) == ("failed", "failed", 1)
+    assert emulator.stats()["requests"] == 0

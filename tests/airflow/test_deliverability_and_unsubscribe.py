@@ -115,3 +115,48 @@ def test_the_plugin_is_public_in_the_api_server_and_a_missing_secret_is_a_503(
                    headers={"Content-Type": "application/x-www-form-urlencoded"})
         assert r.status_code == 200 and "You are unsubscribed" in r.text and not r.is_redirect
     assert db.execute("select user_id, scope, source from mail.suppression").fetchall() == [(42, "all", "one_click")]
+
+
+@pytest.mark.airflow
+def test_dag_test_with_a_sending_only_key_fails_once_then_works_with_its_own_full_access_connection(
+        airflow_db: Path, db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess, dagbag: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 13: the senders keep Resend's recommended sending-only key in resend_default; the feedback
+    DAG then fails at once (no retry) saying it needs a full-access key, and works once
+    MAILFLOW_FEEDBACK_CONN_ID names a connection that holds one."""
+    from mailflow import settings
+
+    emulator.configure(restricted_keys=["re_sending_only"], bounce=["dag1@example.com"])
+    monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
+        "conn_type": "resend", "host": emulator.base_url, "password": "re_sending_only",
+        "extra": {"requests_per_second": 50}}))
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_FULL_ACCESS", json.dumps({
+        "conn_type": "resend", "host": emulator.base_url, "password": emulator.api_key,
+        "extra": {"requests_per_second": 50}}))
+    db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
+               " values (1, 'dag1@example.com', 'N', now() - interval '9 days', 'UTC', 'free')")
+    end = datetime.now(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
+    campaign = Campaign(name="dag_feedback", priority=1, audience_sql="select user_id, email, first_name from app.users",
+                        template="first_practice", subject="Hi", from_address="P <p@mail.example.com>", reply_to=None,
+                        cooldown=timedelta(0), audience_window=timedelta(hours=1))
+    pacer = PostgresPacer(lambda: psycopg.connect(db_dsn), account=emulator.base_url, requests_per_second=50)
+    with psycopg.connect(db_dsn) as conn, ResendClient(emulator.base_url, "re_sending_only", pacer=pacer) as client:
+        run_lifecycle(PostgresStore(conn), client, Renderer(signer_from_secret(UNSUBSCRIBE_SECRET),
+                      "https://mail.example.com", "https://app.example.com", mailto=""), [campaign],
+                      DataInterval(end - timedelta(hours=1), end))  # sending works with the sending-only key
+    pacer.close()
+    assert db.execute("select status from mail.send_log").fetchall() == [("sent",)]
+
+    dag = dagbag.dags["deliverability_feedback"]
+    monkeypatch.setattr(settings, "FEEDBACK_CONN_ID", "resend_default")
+    dr = dag.test(run_conf={"min_age_minutes": 0})
+    ti = dr.get_task_instance("poll_feedback")
+    assert (dr.state, ti.state, ti.try_number) == ("failed", "failed", 1)  # AirflowFailException: no retry
+    assert emulator.stats()["errors_by_name"] == {"restricted_api_key": 1}
+    assert db.execute("select count(*) from mail.suppression").fetchone() == (0,)
+
+    monkeypatch.setattr(settings, "FEEDBACK_CONN_ID", "resend_full_access")
+    dr = dag.test(run_conf={"min_age_minutes": 0}, logical_date=datetime.now(UTC) + timedelta(seconds=1))
+    assert dr.state == "success"
+    assert db.execute("select email, source from mail.suppression").fetchall() == [("dag1@example.com", "bounce")]
