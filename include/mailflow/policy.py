@@ -162,7 +162,8 @@ def evaluate(policy: ContactPolicy, contacts: Iterable[Contact], *, ref: datetim
             times = sorted((now if c.at is None else c.at) for c in inside)
             # free once all but emails-1 of them are more than `window` in the past
             free_at = times[len(times) - rule.emails] + rule.window
-            inside.sort(key=lambda c: (c.at is not None, c.at), reverse=True)
+            # the reason lists the email(s) behind the hold: in flight first, then the most recent
+            inside.sort(key=lambda c: (c.at is None, c.at or now), reverse=True)
             return Hold(rule=rule, contacts=tuple(inside), free_at=max(free_at, now),
                         cooldown=(i == 0 and policy.cooldown > timedelta(0) and rule.emails == 1
                                   and rule.window == policy.cooldown))

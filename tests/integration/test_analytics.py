@@ -425,9 +425,9 @@ def ask(demo: Demo, n: int, **params: Any) -> list[tuple[Any, ...]]:
     return run_doc_query(demo.conn, n, role=None if n == 3 else "mail_analyst", **params)[1]
 
 
-def test_the_doc_has_ten_questions_each_with_sql() -> None:
+def test_the_doc_has_eleven_questions_each_with_sql() -> None:
     questions = doc_questions()
-    assert sorted(questions) == list(range(1, 11))
+    assert sorted(questions) == list(range(1, 12))
     assert all(sql.lstrip().lower().startswith(("select", "with")) for _, _, sql in questions.values())
 
 
@@ -568,3 +568,50 @@ def test_q10_emails_per_user_in_30_days(demo: Demo) -> None:
     recent = Counter(a for _, a in demo.delivered().elements())
     recent.update(dict(demo.fp_audience)[demo.planted[k].user_id] for k in ("u1", "u2"))  # u3: 8 days ago
     assert ask(demo, 10, days="5") == sorted(Counter(recent.values()).items())
+
+
+def test_q11_who_was_held_back_by_the_contact_policy_and_why(db: psycopg.Connection, db_dsn: str) -> None:
+    """Two scheduled campaigns due now for users 1-3; user 1 was emailed 2 days ago, user 2 is
+    emailed by the first campaign: the second campaign defers user 1 (and 2), the skip campaign skips."""
+    from mailflow import scheduled
+    from mailflow.contact_chaos import AcceptAll, _renderer
+
+    db.execute("truncate mail.campaign_event, mail.campaign_recipient, mail.campaign restart identity cascade")
+    db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
+               " select i, 'user' || i || '@example.com', 'F' || i, '2025-01-01', 'UTC', 'free'"
+               " from generate_series(1, 3) as i")
+    [(now,)] = db.execute("select now()").fetchall()
+    [(sent_id,)] = db.execute(
+        "insert into mail.send_log (user_id, campaign, email, status, sent_at, provider_message_id)"
+        " values (1, 'first_practice', 'user1@example.com', 'sent', %s, 'p1') returning id",
+        (now - timedelta(days=2),)).fetchall()
+    spec = {"template": "outreach", "subject": "{{ user.first_name }}", "from": "O <o@mail.example.com>",
+            "recipients_table": "mail.campaign_recipient", "start_at": datetime(2026, 1, 5, tzinfo=UTC),
+            "timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["09:00-17:00"], "emails_per_day": 50}
+    defer = scheduled.create_campaign(db, spec | {"name": "q11_defer"})
+    skip = scheduled.create_campaign(db, spec | {"name": "q11_skip", "on_policy": "skip"})
+    db.execute("insert into mail.campaign_recipient (campaign_id, user_id, email)"
+               " select %s, i, 'user' || i || '@example.com' from generate_series(1, 2) as i", (defer,))
+    db.execute("insert into mail.campaign_recipient (campaign_id, user_id, email) values (%s, 2, 'user2@example.com')",
+               (skip,))
+    for cid in (defer, skip):
+        scheduled.provision(db, cid, now=datetime(2026, 1, 5, tzinfo=UTC))
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        d = scheduled.dispatch(conn, AcceptAll(), _renderer(), budget_seconds=10, coalesce_seconds=0)
+    assert (d.sent, d.deferred, d.skipped) == (1, 1, 1)
+    ids = dict(db.execute("select campaign || ':' || user_id, id from mail.send_log").fetchall())
+    sent2 = db.execute("select sent_at from mail.send_log where id = %s", (ids["q11_defer:2"],)).fetchone()
+    assert sent2 is not None
+    planned = db.execute("select scheduled_at from mail.send_log where id = %s", (ids["q11_defer:1"],)).fetchone()
+    assert planned is not None
+    cols, rows = run_doc_query(db, 11, role="mail_analyst", since=(now - timedelta(days=1)).date().isoformat())
+    assert cols == ["decided_at", "campaign", "user_id", "decision", "rule", "status_now", "planned_at", "why"]
+    free1 = now - timedelta(days=2) + timedelta(days=7)
+    assert [r[1:] for r in rows] == [
+        ("q11_defer", 1, "deferred", "cooldown 7 days", "pending", planned[0],
+         f"contact policy: cooldown 7 days: row {sent_id} (first_practice, sent {(now - timedelta(days=2)).isoformat()}); "
+         f"free from {free1.isoformat()}; deferred to {planned[0].isoformat()}"),
+        ("q11_skip", 2, "skipped", "cooldown 7 days", "skipped", datetime(2026, 1, 5, 9, tzinfo=UTC),
+         f"contact policy: cooldown 7 days: row {ids['q11_defer:2']} (q11_defer, sent {sent2[0].isoformat()}); "
+         f"free from {(sent2[0] + timedelta(days=7)).isoformat()}")]
+    assert run_doc_query(db, 11, role="mail_analyst", since=(now + timedelta(days=2)).date().isoformat())[1] == []
