@@ -4,8 +4,8 @@ cooldown.
 
 Processes (``multiprocessing``, spawn), all started together on one barrier:
 
-* two scheduled campaigns, due at once: ``cc_sched_skip`` (every 3rd user) is provisioned before
-  the race; ``cc_sched_defer`` (every 2nd user) is provisioned by the ``provision`` process in
+* two scheduled campaigns, due at once: ``cc_sched_defer`` (every 2nd user) is provisioned before
+  the race; ``cc_sched_skip`` (every 3rd user) is provisioned by the ``provision`` process in
   small chunks while the others run;
 * ``lifecycle-N``: lifecycle runs over two campaigns whose audience is every user (each process its
   own run id; the first runs both, the others one each, so runs of different campaigns overlap);
@@ -36,7 +36,7 @@ from mailflow.campaigns import Campaign
 from mailflow.model import Accepted, DataInterval, Outcome, PreparedBatch, RunContext
 
 LIFECYCLE = ("cc_life_a", "cc_life_b")
-SCHEDULED = (("cc_sched_skip", "skip", 3), ("cc_sched_defer", "defer", 2))
+SCHEDULED = (("cc_sched_defer", "defer", 2), ("cc_sched_skip", "skip", 3))
 PAST = datetime(2026, 1, 5, tzinfo=UTC)
 SECRET = "contact-chaos-secret-0123456789"
 
@@ -75,7 +75,7 @@ def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, roun
             end = conn.execute("select now()").fetchone()[0]  # type: ignore[index]
             run_lifecycle(store, AcceptAll(), _renderer(), campaigns, DataInterval(end - timedelta(hours=1), end),
                           run=RunContext(dag_id="contact_chaos", run_id=f"lifecycle-{n}-{r}", task_id="send"),
-                          chunk_size=50 + 25 * n)
+                          chunk_size=(50, 75, 100, 33)[n % 4])
 
 
 def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) -> None:
@@ -87,7 +87,7 @@ def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) 
         while time.monotonic() < stop:
             provisioned = done.is_set()
             s = scheduled.dispatch(conn, AcceptAll(), _renderer(), budget_seconds=2.0, coalesce_seconds=0,
-                                   poll_seconds=0.1, batch_size=40 + 20 * n,
+                                   poll_seconds=0.1, batch_size=(40, 60, 100, 25)[n % 4],
                                    run=RunContext(dag_id="contact_chaos", run_id=f"dispatch-{n}", task_id="dispatch"))
             if provisioned and s.claimed == 0 and s.deferred == 0 and s.skipped == 0:
                 return
