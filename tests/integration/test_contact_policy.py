@@ -379,3 +379,28 @@ def test_dry_run_counts_apply_the_policy(lrig: LRig) -> None:
     renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
     [p] = lrig.store().preview([simple_campaign("a", 1)], live_interval(lrig.db), renderer)
     assert p["eligible"] == 1 and [x["to"] for x in p["sample"]] == ["u***@example.com"]
+
+
+def test_an_overdue_planned_email_holds_lifecycle_mail_back_under_the_guard(lrig: LRig) -> None:
+    """A planned email whose time passed (waiting for the dispatcher) goes out now: the mint's check
+    under the lock counts it even when the audience pre-filter did not see it (it appeared after)."""
+    for uid in (1, 2):
+        add_user(lrig.db, uid)
+    conn = psycopg.connect(lrig.dsn)
+    lrig.conns.append(conn)
+
+    class Planting(RacingConnection):
+        def execute(self, query: object, params: object = None) -> object:
+            cur = self._conn.execute(query, params)  # type: ignore[call-overload]
+            if not self.fired and isinstance(params, dict) and "after" in params:
+                self.fired = True
+                self._other.execute("insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
+                                    " values (2, 'outreach', 'scheduled', 'user2@example.com', 'pending',"
+                                    " '2026-01-05T09:00:00Z')")
+            return cur
+
+    racing = Planting(conn, lrig.db, uid=2, campaign="outreach")
+    [s] = lrig.run([simple_campaign("a", 1)], store=PostgresStore(racing), interval=live_interval(lrig.db))  # type: ignore[arg-type]
+    assert racing.fired
+    assert (s.eligible, s.minted, s.held) == (2, 1, 1)
+    assert outbox_to(lrig.emulator) == ["user1@example.com"]

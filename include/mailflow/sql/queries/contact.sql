@@ -16,10 +16,11 @@ select user_id from mail.contact where user_id = any(%(ids)s::bigint[]) order by
 -- name: contacts_of
 -- Every contact of these users that can matter (docs/model.md, "The contact policy"): sent since
 -- `since`, in flight ('sending', at = null = now), and with include_planned (lifecycle mail) planned
--- ('pending') before `until`. Excludes the rows being claimed (`except_ids`).
+-- ('pending') before `until`, at its planned time or now if that passed (an overdue planned email
+-- goes out as soon as it is dispatched). Excludes the rows being claimed (`except_ids`).
 select c.user_id, c.id, c.campaign, c.status,
        case when c.status = 'sent' then c.sent_at
-            when c.status = 'pending' then coalesce(c.scheduled_at, c.minted_at) end as at
+            when c.status = 'pending' then greatest(coalesce(c.scheduled_at, c.minted_at), now()) end as at
 from mail.send_log c
 where c.user_id = any(%(ids)s::bigint[])
   and c.id <> all(%(except_ids)s::bigint[])
