@@ -37,7 +37,7 @@ from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.engine import run_lifecycle
 from mailflow.model import DataInterval, RunContext
 from mailflow.sql import query as named_query
-from mailflow.store import PostgresStore
+from mailflow.store import PostgresStore, caps_sql
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 1.0
@@ -285,7 +285,8 @@ def snapshot_alternative(conn: psycopg.Connection, store: PostgresStore, c: Camp
     cost of a per-run snapshot and of its pages, next to the shipped per-page recomputation."""
     window, since = c.window(interval), interval.end - c.cooldown
     params = store._params(c, window, since)
-    eligible = pgsql.SQL(named_query("lifecycle", "eligible")).format(audience=pgsql.SQL(c.audience_sql))
+    eligible = pgsql.SQL(named_query("lifecycle", "eligible")).format(audience=pgsql.SQL(c.audience_sql),
+                                                                      caps=caps_sql(c.contact_policy))
     table = pgsql.Identifier(f"bench_snapshot_{c.name}")
     t0 = time.perf_counter()
     with conn.transaction():
@@ -381,7 +382,7 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
                                       None, None, skipped="lifecycle.eligible changed: the variant no longer applies"))
                     continue
                 split = pgsql.SQL(eligible_sql.replace(COOLDOWN_SHIPPED, COOLDOWN_SPLIT)).format(
-                    audience=pgsql.SQL(c.audience_sql))
+                    audience=pgsql.SQL(c.audience_sql), caps=caps_sql(c.contact_policy))
                 q = pgsql.SQL(named_query("lifecycle", "audience_count")).format(eligible=split)
                 window, since = c.window(interval), interval.end - c.cooldown
                 params = store._params(c, window, since)

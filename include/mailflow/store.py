@@ -90,7 +90,7 @@ class PostgresStore:
         if key not in self._sql_cache:
             # The audience file is trusted, version-controlled SQL (not input): composed in as SQL.
             eligible = pgsql.SQL(query("lifecycle", "eligible")).format(
-                audience=pgsql.SQL(campaign.audience_sql), caps=_caps_sql(campaign.contact_policy))
+                audience=pgsql.SQL(campaign.audience_sql), caps=caps_sql(campaign.contact_policy))
             self._sql_cache[key] = pgsql.SQL(query("lifecycle", name)).format(eligible=eligible)
         return self._sql_cache[key]
 
@@ -263,7 +263,7 @@ class PostgresStore:
         return out
 
 
-def _caps_sql(policy: ContactPolicy) -> pgsql.Composable:
+def caps_sql(policy: ContactPolicy) -> pgsql.Composable:
     """One count probe per frequency cap the cooldown does not imply (``lifecycle.eligible``'s
     ``{caps}``): fewer than ``emails`` contacts within the cap's window of the email."""
     parts = []
