@@ -92,6 +92,26 @@ def _worker(kwargs: dict[str, Any]) -> dict[str, Any]:
     return run_sender(**kwargs)
 
 
+def probe_pacer(dsn: str, account: str, requests_per_second: float, target_fraction: float = 0.8,
+                claims: int = 3) -> dict[str, Any]:
+    """A fresh :class:`PostgresPacer` (as a new process or worker builds it from its connection)
+    claims ``claims`` slots without sending; returns ``{"waits": [s...], "spacing": s,
+    "requests_per_second": effective requests/s, "learned_limit": requests/s or None}``."""
+    pacer = PostgresPacer(lambda: psycopg.connect(dsn), account, requests_per_second, target_fraction)
+    try:
+        waits = [pacer.claim() for _ in range(claims)]
+        return {"waits": waits, "spacing": pacer.spacing, "requests_per_second": pacer.requests_per_second,
+                "learned_limit": pacer.learned_limit}
+    finally:
+        pacer.close()
+
+
+def probe_in_new_process(**kwargs: Any) -> dict[str, Any]:
+    """:func:`probe_pacer` in a freshly spawned interpreter (nothing shared but the database)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(probe_pacer, kwds=kwargs)
+
+
 def run_concurrent(senders: int, base_url: str, api_key: str, *, emails_per_sender: int, **kw: Any) -> dict[str, Any]:
     """Run ``senders`` processes at once (spawned, so each has its own interpreter and pool).
 

@@ -357,12 +357,43 @@ def test_2xx_that_does_not_add_up_is_unknown() -> None:
 
 # -- pacing --------------------------------------------------------------------------------------
 
-def test_ratelimit_remaining_zero_pushes_the_local_pacer_back_until_reset() -> None:
-    headers = {"ratelimit-limit": "10", "ratelimit-remaining": "0", "ratelimit-reset": "3"}
+def test_ratelimit_remaining_zero_holds_the_local_pacer_one_slot_at_the_full_cap() -> None:
+    # remaining 0 at a learned limit of 1/s: hold min(ratelimit-reset 3 s, 1 / limit) = 1 s
+    headers = {"ratelimit-limit": "1", "ratelimit-remaining": "0", "ratelimit-reset": "3"}
     rig = Rig(httpx.Response(200, json=OK, headers=headers), httpx.Response(200, json=OK))
     assert isinstance(rig.send(), Accepted)
     assert isinstance(rig.send(), Accepted)
-    assert rig.clock.sleeps == [0.0, 3.0]  # the second batch waits for the reset
+    assert rig.clock.sleeps == [0.0, 1.0]
+
+
+def test_ratelimit_remaining_zero_does_not_wait_the_whole_reset_at_a_high_fraction() -> None:
+    # At 0.95 of 10/s the window is full after every 10th request; a whole-second reset would halve the rate.
+    clock = FakeClock()
+    pacer = LocalPacer(10.0, 0.95, clock=clock)
+    pacer.claim()
+    pacer.observe({"ratelimit-limit": "10", "ratelimit-remaining": "0", "ratelimit-reset": "1"})
+    assert pacer.claim() == pytest.approx(1 / 9.5)  # the spacing (105 ms) covers the 100 ms hold
+    pacer.observe({"ratelimit-limit": "10", "ratelimit-remaining": "0", "ratelimit-reset": "garbage"})
+    pacer.observe({"ratelimit-limit": "10", "ratelimit-remaining": "0", "ratelimit-reset": "120"})
+    assert pacer.claim() == pytest.approx(2 / 9.5)  # unusable resets hold nothing
+
+
+def test_a_429_lowers_the_local_rate_and_it_recovers() -> None:
+    clock = FakeClock()
+    pacer = LocalPacer(10.0, 1.0, clock=clock)
+    assert pacer.claim() == 0.0
+    pacer.push_back(1.0)
+    pacer.push_back(1.0)  # the same burst (within 1 s): counted, not penalised twice
+    assert pacer.rate_limited_total == 2
+    assert pacer.penalty_now() == pytest.approx(0.1)
+    assert pacer.claim() == 1.0
+    assert pacer.spacing == pytest.approx(1 / 9.0)
+    clock.t = 300.0  # half the recovery period later
+    assert pacer.penalty_now() == pytest.approx(0.05)
+    clock.t = 600.0
+    assert pacer.penalty_now() == 0.0
+    pacer.claim()
+    assert pacer.spacing == pytest.approx(0.1)
 
 
 def test_ratelimit_remaining_nonzero_keeps_the_normal_spacing() -> None:

@@ -1,16 +1,61 @@
 -- name: claim_slot
 -- Claim the next request start slot of a provider account, atomically, in one statement: the row
 -- lock lives only for this statement (autocommit), never while a request is in flight.
--- Returns the claimed slot and the database clock, so every sender measures its wait on one clock.
-insert into mail.rate_slot as r (account, next_slot)
-values (%(account)s, clock_timestamp() + make_interval(secs => %(spacing)s))
+-- The spacing comes from what the account has learned, not from the caller alone:
+-- 1 / (least(configured rps, learned ratelimit-limit) x target_fraction x (1 - decayed 429 penalty)).
+-- Returns the claimed slot and the database clock (every sender measures its wait on one clock),
+-- the spacing used (s) and the learned limit (requests/s, or null).
+with s as (
+    select coalesce((
+        select 1.0 / (least(%(rps)s::float8, coalesce(r.limit_per_second, %(rps)s::float8)) * %(fraction)s::float8
+                      * (1 - r.penalty * greatest(0, 1 - extract(epoch from clock_timestamp() - r.penalty_at)::float8
+                                                          / %(recovery)s::float8)))
+        from mail.rate_slot r where r.account = %(account)s), 1.0 / (%(rps)s::float8 * %(fraction)s::float8)) as spacing
+)
+insert into mail.rate_slot as r (account, next_slot, spacing)
+select %(account)s, clock_timestamp() + make_interval(secs => s.spacing), s.spacing from s
 on conflict (account) do update
-    set next_slot = greatest(r.next_slot, clock_timestamp()) + make_interval(secs => %(spacing)s)
-returning next_slot - make_interval(secs => %(spacing)s) as slot, clock_timestamp() as db_now
+    set next_slot = greatest(r.next_slot, clock_timestamp()) + make_interval(secs => excluded.spacing),
+        spacing = excluded.spacing
+returning next_slot - make_interval(secs => spacing) as slot, clock_timestamp() as db_now, spacing, limit_per_second
 
 -- name: push_back
--- Nobody on this account starts a request before now + seconds (after a 429 or remaining = 0).
+-- Nobody on this account starts a request before now + seconds (ratelimit-remaining: 0).
 insert into mail.rate_slot as r (account, next_slot)
 values (%(account)s, clock_timestamp() + make_interval(secs => %(seconds)s))
 on conflict (account) do update
     set next_slot = greatest(r.next_slot, clock_timestamp() + make_interval(secs => %(seconds)s))
+
+-- name: rate_limited
+-- A 429 rate_limit_exceeded: nobody starts before now + seconds (Retry-After), the 429 is counted,
+-- and the shared rate drops by %(step)s of the cap (at most once a second, however many senders saw
+-- the same burst; capped at %(max_penalty)s), decaying back over %(recovery)s seconds.
+insert into mail.rate_slot as r (account, next_slot, penalty, penalty_at, rate_limited_total, last_rate_limited_at)
+values (%(account)s, clock_timestamp() + make_interval(secs => %(seconds)s), %(step)s, clock_timestamp(), 1,
+        clock_timestamp())
+on conflict (account) do update
+    set next_slot = greatest(r.next_slot, clock_timestamp() + make_interval(secs => %(seconds)s)),
+        penalty = case when r.penalty_at > clock_timestamp() - interval '1 second' then r.penalty
+                       else least(%(max_penalty)s::float8,
+                                  r.penalty * greatest(0, 1 - extract(epoch from clock_timestamp() - r.penalty_at)::float8
+                                                           / %(recovery)s::float8)
+                                  + %(step)s::float8) end,
+        penalty_at = case when r.penalty_at > clock_timestamp() - interval '1 second' then r.penalty_at
+                          else clock_timestamp() end,
+        rate_limited_total = r.rate_limited_total + 1,
+        last_rate_limited_at = clock_timestamp()
+
+-- name: observe_limit
+-- The provider's ratelimit-limit header (requests/s), stored for every sender of the account.
+insert into mail.rate_slot as r (account, next_slot, limit_per_second, limit_seen_at)
+values (%(account)s, clock_timestamp(), %(limit)s, clock_timestamp())
+on conflict (account) do update
+    set limit_per_second = excluded.limit_per_second, limit_seen_at = excluded.limit_seen_at
+
+-- name: learned
+-- What an account has learned (operations and tests): the limit, the penalty in force now, 429s.
+select limit_per_second, limit_seen_at,
+       penalty * greatest(0, 1 - extract(epoch from clock_timestamp() - penalty_at)::float8
+                                 / %(recovery)s::float8) as penalty_now,
+       rate_limited_total, last_rate_limited_at, spacing, next_slot
+from mail.rate_slot where account = %(account)s
