@@ -1,5 +1,5 @@
-"""Provider utilisation at a 10 requests/s cap, 1 and 4 senders sharing the cap, against the seed's
-naive loops (one email per request, sequential; and one email per request, paced).
+"""Provider utilisation at a 10 requests/s cap, 1 and 4 senders sharing the cap, at target fractions
+0.8 (the default) and 0.95, against the seed's naive loops (one email per request, sequential; and one email per request, paced).
 
 Ceiling = cap x 100 emails/s (every request a full batch). Utilisation = accepted emails per second
 over the whole send (first request to last response) / ceiling.
@@ -21,7 +21,9 @@ from mailflow.loadgen import run_concurrent
 from mailflow.provider.client import parse_retry_after
 
 CAP = 10.0
-FRACTION = 0.8
+FRACTION = 0.8  # the default target fraction: the naive baselines and the speedups use it
+#: Every fraction measured with 1 and 4 senders (0.95: how close to the cap we run with 0 x 429).
+FRACTIONS = (0.8, 0.95)
 API_KEY = "re_test_emulator"
 
 
@@ -72,27 +74,31 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
     outbox = Path(mkdtemp(prefix="mailflow-bench-")) / "outbox.jsonl"
     with EmulatorProcess(outbox=outbox, rate_limit=CAP, store_bodies=False) as emu:
         results = {}
-        for senders in (1, 4):
-            emu.reset(keep_config=True)
-            r = run_concurrent(senders, emu.base_url, API_KEY, emails_per_sender=total // senders, batch_size=100,
-                               requests_per_second=CAP, target_fraction=FRACTION, dsn=dsn,
-                               account=f"bench-{uuid.uuid4().hex[:6]}")
-            stats = emu.stats()
-            eps = r["accepted"] / r["busy_seconds"]
-            results[senders] = eps
-            params = dict(cap_requests_per_second=CAP, target_fraction=FRACTION, emails=total, senders=senders,
-                          requests=r["requests"], busy_seconds=round(r["busy_seconds"], 2),
-                          max_requests_in_any_second=r["max_requests_in_any_second"])
-            out.append(metric(f"utilisation_{senders}_sender{'s' if senders > 1 else ''}", eps / ceiling,
-                              "of ceiling (cap x 100 emails/s)", ">= 0.95 x target fraction (0.76)",
-                              eps / ceiling >= 0.95 * FRACTION, emails_per_second=round(eps, 1), **params))
-            out.append(metric(f"utilisation_{senders}_sender{'s' if senders > 1 else ''}_vs_target", eps / (ceiling * FRACTION),
-                              "of target (cap x fraction x 100)", ">= 0.95", eps / (ceiling * FRACTION) >= 0.95, **params))
-            out.append(metric(f"http_429_{senders}_sender{'s' if senders > 1 else ''}", stats["responses_by_status"].get("429", 0),
-                              "responses", "0", stats["responses_by_status"].get("429", 0) == 0, **params))
-            dup = stats["outbox_lines"] - r["accepted"]
-            out.append(metric(f"duplicates_{senders}_sender{'s' if senders > 1 else ''}", dup, "emails", "0", dup == 0,
-                              outbox_lines=stats["outbox_lines"], accepted=r["accepted"]))
+        for fraction in FRACTIONS:
+            for senders in (1, 4):
+                emu.reset(keep_config=True)
+                r = run_concurrent(senders, emu.base_url, API_KEY, emails_per_sender=total // senders, batch_size=100,
+                                   requests_per_second=CAP, target_fraction=fraction, dsn=dsn,
+                                   account=f"bench-{uuid.uuid4().hex[:6]}")
+                stats = emu.stats()
+                eps = r["accepted"] / r["busy_seconds"]
+                if fraction == FRACTION:
+                    results[senders] = eps
+                who = f"{senders}_sender{'s' if senders > 1 else ''}" + ("" if fraction == FRACTION else f"_at_{fraction}")
+                params = dict(cap_requests_per_second=CAP, target_fraction=fraction, emails=total, senders=senders,
+                              requests=r["requests"], busy_seconds=round(r["busy_seconds"], 2),
+                              max_requests_in_any_second=r["max_requests_in_any_second"])
+                out.append(metric(f"utilisation_{who}", eps / ceiling, "of ceiling (cap x 100 emails/s)",
+                                  f">= 0.95 x target fraction ({0.95 * fraction:.2f})",
+                                  eps / ceiling >= 0.95 * fraction, emails_per_second=round(eps, 1), **params))
+                out.append(metric(f"utilisation_{who}_vs_target", eps / (ceiling * fraction),
+                                  f"of target (cap x {fraction} x 100)", ">= 0.95",
+                                  eps / (ceiling * fraction) >= 0.95, **params))
+                n429 = stats["responses_by_status"].get("429", 0)
+                out.append(metric(f"http_429_{who}", n429, "responses", "0", n429 == 0, **params))
+                dup = stats["outbox_lines"] - r["accepted"]
+                out.append(metric(f"duplicates_{who}", dup, "emails", "0", dup == 0,
+                                  outbox_lines=stats["outbox_lines"], accepted=r["accepted"]))
         emu.reset(keep_config=True)
         naive = naive_sequential(emu.base_url, naive_n)
         emu.reset(keep_config=True)

@@ -94,17 +94,30 @@ where id = %(id)s
 -- name: cancel_suppressed_due
 -- Due pending rows of active campaigns whose user or address is suppressed (for all mail or this
 -- campaign) are cancelled before anything is claimed; rows another dispatcher holds are skipped.
+-- Only the head of the due queue is checked: the first 1,000 due rows (ten full batches) in
+-- scheduled_at order, read through send_log_pending_due_idx with a LIMIT, so a claim costs the
+-- same at 1,000 or 1,000,000 due rows (issue 16: the whole backlog was probed on every claim).
+-- Complete all the same: claim_due never takes a suppressed row (its own NOT EXISTS) and claims in
+-- the same order, so every suppressed row reaches the head, and is cancelled there, before the
+-- rows after it are sent; a head made only of suppressed rows is cancelled 1,000 per claim.
 -- The locked id list is a MATERIALIZED CTE: evaluated once (an IN-subquery with FOR UPDATE can be
 -- rescanned per outer row, and a rescan skips the rows this statement already changed).
-with hit as materialized (
-    select d.id
+with head as materialized (
+    select d.id, d.user_id, d.email, d.campaign
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
-      and (exists (select 1 from mail.suppression s
-                   where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-           or exists (select 1 from mail.suppression s
-                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign)))
+    order by d.scheduled_at
+    limit 1000
+), hit as materialized (
+    select d.id
+    from mail.send_log d
+    where d.id in (select h.id from head h
+                   where exists (select 1 from mail.suppression s
+                                 where s.user_id = h.user_id and s.scope in ('all', h.campaign))
+                      or exists (select 1 from mail.suppression s
+                                 where lower(s.email) = lower(h.email) and s.scope in ('all', h.campaign)))
+      and d.status = 'pending'
     for update of d skip locked
 ), gone as (
     update mail.send_log l

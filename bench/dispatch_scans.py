@@ -1,0 +1,163 @@
+"""Dispatch scans at 1,000,000 pending rows (issue 16, item 6): ``scheduled.cancel_suppressed_due``
+(run before every claim) and ``repair.dead_letter_exhausted`` (run by every reconcile run), the
+statements before and after the change, timed with ``EXPLAIN (ANALYZE, BUFFERS)`` inside a
+transaction that is rolled back (both statements write), median of 3.
+
+Population (generated in PostgreSQL, about a minute): one active scheduled campaign with 1,000,000
+pending rows, all due (a backlog: a paused campaign resumed, or a provider outage), over users
+1..1,000,000; 20,000 users suppressed by id and 2,000 by address (2.2%); 200,000 released
+lifecycle rows over the last 60 days (1-3 whole-request failures per user and campaign; a pair
+reaches 3 in ~1 of 4 cases, mostly long ago, so the old statement finds them all again every run);
+1,000,000 sent rows of history. ``VACUUM ANALYZE`` after the load.
+
+``python -m bench.dispatch_scans [--dsn DSN]`` prints the table; ``--quick`` uses 100,000 pending rows.
+Not part of ``make bench`` (it is a before/after measurement for one change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import psycopg
+
+from bench.common import metric, scratch_database
+from mailflow.sql import query
+
+#: The statements as they were before issue 16 (for the before/after).
+CANCEL_BEFORE = """
+with hit as materialized (
+    select d.id
+    from mail.send_log d
+    join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
+    where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+      and (exists (select 1 from mail.suppression s
+                   where s.user_id = d.user_id and s.scope in ('all', d.campaign))
+           or exists (select 1 from mail.suppression s
+                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign)))
+    for update of d skip locked
+), gone as (
+    update mail.send_log l
+    set status = 'cancelled', error = 'suppressed before sending'
+    where l.id in (select id from hit) and l.status = 'pending'
+    returning l.id, l.attempts
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'pending', 'cancelled', attempts, 'suppressed before sending', %(dag_id)s, %(run_id)s, %(task_id)s
+from gone
+returning send_log_id
+"""
+
+DEAD_LETTER_BEFORE = """
+with exhausted as (
+    select user_id, campaign, max(id) as id
+    from mail.send_log
+    where released_at is not null
+    group by user_id, campaign
+    having count(*) >= %(max_attempts)s and count(dead_lettered_at) = 0
+), changed as (
+    update mail.send_log l
+    set dead_lettered_at = now(),
+        error = l.error || ' (attempts exhausted: ' || %(max_attempts)s || ' whole-request failures)'
+    from exhausted e
+    where l.id = e.id and l.status = 'failed' and l.dead_lettered_at is null
+    returning l.id, l.user_id, l.campaign, l.email, l.error, l.attempts
+), ev as (
+    insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+    select id, 'failed', 'failed', attempts, 'dead-lettered: ' || error, %(dag_id)s, %(run_id)s, %(task_id)s
+    from changed
+)
+select id, user_id, campaign, email, error from changed
+"""
+
+LOAD = [
+    """insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)
+       values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')""",
+    # the backlog: every row due, oldest first
+    """insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at, minted_at)
+       select g, 'backlog', 'scheduled', 'user' || g || '@example.com', 'pending',
+              now() - interval '10 days' * (1 - g::float8 / %(n)s), now() - interval '11 days'
+       from generate_series(1, %(n)s) g""",
+    # history: sent lifecycle rows
+    """insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, sent_at, provider_message_id)
+       select g, 'first_practice', 'lifecycle', 'user' || g || '@example.com', 'sent',
+              now() - interval '300 days' * random(), now() - interval '300 days' * random(), 'pm-' || g
+       from generate_series(1, %(n)s) g""",
+    # released rows: 1-3 whole-request failures per (user, campaign), over the last 60 days
+    """insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, released_at, attempts, error)
+       select u, 'upgrade_offer', 'lifecycle', 'user' || u || '@example.com', 'failed',
+              t - interval '1 minute', t, 1, 'HTTP 422 validation_error'
+       from (select (g * 7919) %% %(n)s + 1 as u, k,
+                    now() - interval '60 days' * random() as t
+             from generate_series(1, %(pairs)s) g, generate_series(1, 3) k
+             where k <= 1 + (g %% 4 = 0)::int * 2 + (g %% 4 = 1)::int) x""",
+    """insert into mail.suppression (user_id, scope, source)
+       select (g * 104729) %% %(n)s + 1, 'all', 'unsubscribe' from generate_series(1, %(n)s / 50) g
+       on conflict do nothing""",
+    """insert into mail.suppression (email, scope, source)
+       select 'user' || ((g * 15485863) %% %(n)s + 1) || '@example.com', 'all', 'bounce'
+       from generate_series(1, %(n)s / 500) g on conflict do nothing""",
+]
+
+
+def _explain(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> tuple[float, int, dict]:
+    """(execution ms, rows returned, plan JSON) of one run, rolled back."""
+    with conn.transaction(force_rollback=True):
+        row = conn.execute("explain (analyze, buffers, format json) " + sql, params).fetchone()
+    assert row is not None
+    plan = row[0][0]
+    return float(plan["Execution Time"]), int(plan["Plan"].get("Actual Rows", 0)), plan
+
+
+def _buffers(plan: dict) -> int:
+    p = plan["Plan"]
+    return int(p.get("Shared Hit Blocks", 0)) + int(p.get("Shared Read Blocks", 0))
+
+
+def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
+    n = 100_000 if quick else 1_000_000
+    pairs = n // 10
+    out: list[dict[str, Any]] = []
+    with scratch_database(dsn, "scans", app_schema=False) as sdsn, psycopg.connect(sdsn, autocommit=True) as conn:
+        t0 = time.monotonic()
+        for sql in LOAD:
+            conn.execute(sql, {"n": n, "pairs": pairs})
+        conn.execute("vacuum analyze mail.send_log")
+        conn.execute("vacuum analyze mail.suppression")
+        conn.execute("analyze mail.campaign")
+        load = time.monotonic() - t0
+        out.append(metric("scans_population_load_seconds", load, "s", pending=n, released_pairs=pairs))
+        who = {"dag_id": "bench", "run_id": "bench", "task_id": "bench", "max_attempts": 3,
+               "horizon": 1000, "lookback_days": 7}
+        cases = [
+            ("cancel_suppressed_due", CANCEL_BEFORE, query("scheduled", "cancel_suppressed_due")),
+            ("dead_letter_exhausted", DEAD_LETTER_BEFORE, query("repair", "dead_letter_exhausted")),
+        ]
+        for name, before, after in cases:
+            for label, sql in (("before", before), ("after", after)):
+                runs = [_explain(conn, sql, who) for _ in range(3)]
+                ms = statistics.median(r[0] for r in runs)
+                plan = runs[-1][2]
+                out.append(metric(f"{name}_{label}_ms", ms, f"ms at {n:,} pending rows (EXPLAIN ANALYZE, median of 3)",
+                                  None, None, rows=runs[-1][1], buffers=_buffers(plan),
+                                  plan=json.dumps(plan["Plan"])[:4000]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"))
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    for m in run(args.dsn, quick=args.quick):
+        extra = {k: v for k, v in m["params"].items() if k != "plan"}
+        print(f"{m['name']}: {m['value']:.4g} {m['unit']} {extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
