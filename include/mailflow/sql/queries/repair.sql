@@ -78,16 +78,16 @@ order by l.batch_index
 -- name: dead_letter_exhausted
 -- A (user, campaign) whose whole-request failures reached max_attempts is not selected again
 -- (see lifecycle.audience_page); its newest released row becomes the dead letter (once).
--- Only pairs with a release in the last 7 days are examined (issue 16: every released row of the
--- send log was grouped on every reconcile run): a pair becomes exhausted at a release, so a
--- reconcile run at least once a week sees every one. They are found through the small partial
--- index send_log_released_at_idx (released, not dead-lettered) and counted through
--- send_log_released_idx. A pair missed (no reconcile run for a week) is still never emailed
--- again (the audience excludes it); it only goes unreported.
+-- Only pairs with a release in the last day are examined (issue 16: every released row of the
+-- send log was grouped on every reconcile run): a pair becomes exhausted at a release, so the
+-- reconcile DAG (every 30 minutes) sees each one in any of 48 runs. They are found by an
+-- index-only scan of the partial index send_log_released_at_idx (released, not dead-lettered)
+-- and counted through send_log_released_idx. A pair missed (no reconcile run for a whole day) is
+-- still never emailed again (the audience excludes it); it only goes unreported.
 with recent as (
     select distinct user_id, campaign
     from mail.send_log
-    where released_at is not null and dead_lettered_at is null and released_at >= now() - interval '7 days'
+    where released_at is not null and dead_lettered_at is null and released_at >= now() - interval '1 day'
 ), exhausted as (
     select l.user_id, l.campaign, max(l.id) as id
     from recent r

@@ -1,0 +1,58 @@
+"""Issue 16 item 6: the dispatcher's suppression sweep and the reconciler's dead-letter sweep look at
+a bounded part of the send log, and stay complete (bench/dispatch_scans.py measures them at 1M)."""
+
+from __future__ import annotations
+
+import psycopg
+
+from mailflow.sql import query
+
+WHO = {"dag_id": "test", "run_id": "test", "task_id": "test"}
+
+
+def _backlog(db: psycopg.Connection, n: int) -> list[int]:
+    db.execute("insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)"
+               " values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')")
+    return [r[0] for r in db.execute(
+        "insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
+        " select g, 'backlog', 'scheduled', 'u' || g || '@example.com', 'pending',"
+        "        now() - interval '1 day' + g * interval '1 second'"
+        " from generate_series(1, %s) g order by g returning id", (n,)).fetchall()]
+
+
+def test_suppressed_rows_beyond_the_head_are_never_claimed_and_cancelled_when_they_reach_it(db) -> None:
+    ids = _backlog(db, 1500)
+    db.execute("insert into mail.suppression (user_id, scope, source) values (10, 'all', 'test'), (1200, 'all', 'test')")
+    db.execute("insert into mail.suppression (email, scope, source) values ('U1400@example.com', 'backlog', 'test')")
+    with db.transaction():
+        cancelled = [r[0] for r in db.execute(query("scheduled", "cancel_suppressed_due"), WHO).fetchall()]
+    assert cancelled == [ids[9]]  # only the head (the first 1,000 due rows) is checked per claim
+    with db.transaction():
+        claimed = [r[0] for r in db.execute(query("scheduled", "claim_due"), WHO | {"limit": 1500}).fetchall()]
+    assert len(claimed) == 1497 and ids[1199] not in claimed and ids[1399] not in claimed  # never claimed
+    with db.transaction():
+        cancelled = sorted(r[0] for r in db.execute(query("scheduled", "cancel_suppressed_due"), WHO).fetchall())
+    assert cancelled == [ids[1199], ids[1399]]  # now at the head of the due queue
+    assert db.execute("select status, count(*) from mail.send_log group by 1 order by 1").fetchall() == [
+        ("cancelled", 3), ("sending", 1497)]
+    assert db.execute("select count(*) from mail.send_event where to_status = 'cancelled'").fetchone() == (3,)
+
+
+def test_dead_letter_sweep_finds_pairs_released_in_the_last_day_once(db) -> None:
+    def released(user: int, campaign: str, ago: str, times: int) -> None:
+        db.execute("insert into mail.send_log (user_id, campaign, email, status, released_at, attempts, error)"
+                   " select %s, %s, 'x@example.com', 'failed', now() - %s::interval - k * interval '1 minute', 1, 'HTTP 422'"
+                   " from generate_series(1, %s) k", (user, campaign, ago, times))
+
+    released(1, "first_practice", "1 hour", 3)   # exhausted now: dead-lettered
+    released(2, "first_practice", "1 hour", 2)   # two failures: not yet
+    released(3, "upgrade_offer", "3 days", 3)    # exhausted long ago, outside the sweep's day
+    released(4, "upgrade_offer", "3 days", 2)
+    released(4, "upgrade_offer", "5 minutes", 1)  # its third failure just now: dead-lettered
+    out = db.execute(query("repair", "dead_letter_exhausted"), WHO | {"max_attempts": 3}).fetchall()
+    assert sorted((r[1], r[2]) for r in out) == [(1, "first_practice"), (4, "upgrade_offer")]
+    newest = db.execute("select user_id, max(id) from mail.send_log where user_id in (1, 4) group by 1 order by 1").fetchall()
+    assert sorted(r[0] for r in out) == sorted(i for _, i in newest)
+    assert db.execute(query("repair", "dead_letter_exhausted"), WHO | {"max_attempts": 3}).fetchall() == []  # once
+    plan = db.execute("explain " + query("repair", "dead_letter_exhausted"), WHO | {"max_attempts": 3}).fetchall()
+    assert any("send_log_released_at_idx" in r[0] for r in plan)
