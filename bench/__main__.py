@@ -4,7 +4,8 @@ PostgreSQL (TEST_DATABASE_URL or the embedded server) and the emulator, and writ
 ``bench/results/latest.md`` (the table). See docs/performance.md.
 
 Suites, cheapest first: pipeline (metric 3), memory (5), dag_import (7), provider (1, 2),
-audience (4, and metric 3 at 1M users), dispatch (6). A suite that fails is recorded as a failed
+audience (4, and metric 3 at 1M users), lifecycle_e2e (8: end-to-end lifecycle utilisation),
+dispatch (6). A suite that fails is recorded as a failed
 metric and the others still run; the exit code is 1 if any suite failed.
 """
 
@@ -22,7 +23,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import audience, dag_import, dispatch, memory, pipeline, provider
+from bench import audience, dag_import, dispatch, lifecycle_e2e, memory, pipeline, provider
 
 RESULTS = Path(__file__).parent / "results"
 SUITES = {
@@ -31,6 +32,7 @@ SUITES = {
     "dag_import": dag_import.run,
     "provider": provider.run,
     "audience": audience.run,
+    "lifecycle_e2e": lifecycle_e2e.run,
     "dispatch": dispatch.run,
 }
 

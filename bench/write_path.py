@@ -65,10 +65,19 @@ from (select g, (g / 5) + 1 as u,
 """
 
 
-def _chunk(conn: psycopg.Connection, first_user: int, tag: str) -> tuple[float, float]:
-    """Mint (+ batch bytes) then apply one chunk of 100 new users; (mint ms, apply ms)."""
+def _lsn(conn: psycopg.Connection) -> int:
+    row = conn.execute("select pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _chunk(conn: psycopg.Connection, first_user: int, tag: str) -> tuple[float, float, int, int]:
+    """Mint (+ batch bytes) then apply one chunk of 100 new users; (mint ms, apply ms, mint WAL
+    bytes, apply WAL bytes). WAL bytes are deterministic where times are noisy: every index entry
+    written is WAL; the WAL of other sessions of the server is included, so run it alone."""
     who = {"dag_id": "bench", "run_id": f"bench-{tag}", "task_id": "send"}
     page = [{"user_id": u, "email": f"new{u}@example.com", "context": {}} for u in range(first_user, first_user + 100)]
+    w0 = _lsn(conn)
     t0 = time.perf_counter()
     with conn.transaction():
         rows = conn.execute(query("lifecycle", "mint"), who | {
@@ -79,12 +88,14 @@ def _chunk(conn: psycopg.Connection, first_user: int, tag: str) -> tuple[float, 
                                                        "count": len(ids), "body": b"[]"})
         conn.execute(query("send_log", "assign_batch"), {"key": key, "ids": ids, "idx": list(range(len(ids)))})
     t1 = time.perf_counter()
+    w1 = _lsn(conn)
     with conn.transaction():
         conn.execute(query("send_log", "mark_sent"), who | {
             "ids": ids, "pids": [f"wp-{tag}-{i}" for i in ids]}).fetchall()
     t2 = time.perf_counter()
+    w2 = _lsn(conn)
     assert len(ids) == 100
-    return (t1 - t0) * 1000, (t2 - t1) * 1000
+    return (t1 - t0) * 1000, (t2 - t1) * 1000, w1 - w0, w2 - w1
 
 
 def _measure(conn: psycopg.Connection, chunks: int, state: dict[str, int]) -> dict[str, float]:
@@ -92,13 +103,16 @@ def _measure(conn: psycopg.Connection, chunks: int, state: dict[str, int]) -> di
     for _ in range(5):  # warm-up (caches, prepared statements)
         _chunk(conn, state["next"], tag)
         state["next"] += 100
-    mint, apply = [], []
+    mint, apply, mint_wal, apply_wal = [], [], [], []
     for _ in range(chunks):
-        m, a = _chunk(conn, state["next"], tag)
+        m, a, mw, aw = _chunk(conn, state["next"], tag)
         state["next"] += 100
         mint.append(m)
         apply.append(a)
-    return {"mint_ms": statistics.median(mint), "apply_ms": statistics.median(apply)}
+        mint_wal.append(mw)
+        apply_wal.append(aw)
+    return {"mint_ms": statistics.median(mint), "apply_ms": statistics.median(apply),
+            "mint_wal": statistics.median(mint_wal), "apply_wal": statistics.median(apply_wal)}
 
 
 def _drop_all(conn: psycopg.Connection) -> None:
@@ -134,27 +148,32 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
             else:
                 _drop_all(conn)
             rounds[label].append(_measure(conn, chunks, state))
-        base = {k: statistics.mean(r[k] for r in rounds["none"]) for k in ("mint_ms", "apply_ms")}
-        full = {k: statistics.mean(r[k] for r in rounds["all"]) for k in ("mint_ms", "apply_ms")}
-        for k in ("mint_ms", "apply_ms"):
-            what = k.split("_")[0]
-            out.append(metric(f"write_path_{what}_ms_all_indexes", full[k], "ms per chunk of 100 (median)",
+        keys = ("mint_ms", "apply_ms", "mint_wal", "apply_wal")
+        base = {k: statistics.mean(r[k] for r in rounds["none"]) for k in keys}
+        full = {k: statistics.mean(r[k] for r in rounds["all"]) for k in keys}
+        for k in keys:
+            what, unit = k.split("_")
+            unit = "ms per chunk of 100 (median)" if unit == "ms" else "WAL bytes per chunk of 100 (median)"
+            out.append(metric(f"write_path_{k}_all_indexes", full[k], unit,
                               rounds=[round(r[k], 2) for r in rounds["all"]], history_rows=n, chunks=chunks))
-            out.append(metric(f"write_path_{what}_ms_without_0004", base[k], "ms per chunk of 100 (median)",
+            out.append(metric(f"write_path_{k}_without_0004", base[k], unit,
                               rounds=[round(r[k], 2) for r in rounds["none"]], history_rows=n, chunks=chunks))
         _drop_all(conn)
         for name, ddl in ANALYTICS_INDEXES.items():
+            before = _measure(conn, chunks, state)  # paired: 'none' right before, so drift cancels
             if name == "send_log_campaign_minted_idx":
                 conn.execute("drop index mail.send_log_campaign_minted_idx")
             conn.execute(ddl)
             r = _measure(conn, chunks, state)
+            size = conn.execute("select pg_relation_size(%s::regclass)", (f"mail.{name}",)).fetchone()[0]  # type: ignore[index]
             conn.execute(f"drop index mail.{name}")
             if name == "send_log_campaign_minted_idx":
                 conn.execute(PLAIN_MINTED)
-            for k in ("mint_ms", "apply_ms"):
-                out.append(metric(f"write_path_{k.split('_')[0]}_ms_marginal {name}", r[k] - base[k],
-                                  "ms per chunk of 100 over 'none'", measured_ms=round(r[k], 2),
-                                  none_ms=round(base[k], 2)))
+            for k in ("mint_ms", "apply_ms", "mint_wal", "apply_wal"):
+                unit = "ms" if k.endswith("ms") else "WAL bytes"
+                out.append(metric(f"write_path_{k}_marginal {name}", r[k] - before[k],
+                                  f"{unit} per chunk of 100 over 'none' (paired)", measured=round(r[k], 2),
+                                  none=round(before[k], 2), index_bytes=size))
     return out
 
 
