@@ -112,7 +112,6 @@ def forget_run(conn: psycopg.Connection, run_id: str) -> None:
         conn.execute("delete from mail.send_batch where idempotency_key in"
                      " (select idempotency_key from mail.send_log where run_id = %s)", (run_id,))
         conn.execute("delete from mail.send_log where run_id = %s", (run_id,))
-    conn.execute("vacuum analyze mail.send_log")
 
 
 def naive_per_email(dsn: str, emu: EmulatorProcess, interval: DataInterval, seconds: float) -> dict[str, Any]:
