@@ -1,6 +1,9 @@
--- Issue 16: the provider's learned rate limit lives with the shared slot schedule, so every process
+-- migrate: no-transaction
+-- 0008 (issue 16): the provider's learned rate limit lives with the shared slot schedule, so every process
 -- and worker starts from what the provider said, not from its connection's default.
--- Plain ALTER TABLE ... ADD COLUMN (no rewrite: no volatile default), safe in or out of a transaction.
+-- Run statement by statement outside a transaction (mailflow.migrate), for the CONCURRENTLY index
+-- at the end; every statement is idempotent, so an interrupted run is resumed by the next one.
+-- ADD COLUMN with constant defaults: no table rewrite, a brief lock on the small mail.rate_slot.
 alter table mail.rate_slot
     add column if not exists limit_per_second     double precision check (limit_per_second > 0),
     add column if not exists limit_seen_at        timestamptz,
@@ -29,5 +32,5 @@ comment on column mail.rate_slot.spacing is
 -- only the pairs released in the last day (index-only) instead of grouping every released row of
 -- the send log on every run. Small: released rows are ~2% of the log, and a row leaves the index
 -- when it is dead-lettered; it is written only when a row is released or dead-lettered.
-create index if not exists send_log_released_at_idx on mail.send_log (released_at) include (user_id, campaign)
+create index concurrently if not exists send_log_released_at_idx on mail.send_log (released_at) include (user_id, campaign)
     where released_at is not null and dead_lettered_at is null;
