@@ -76,6 +76,9 @@ class ResendHook(BaseHook):
 
         s = self.settings()
         pg = PostgresHook(postgres_conn_id=s["pacer_conn_id"])
+        from mailflow.masking import mask_connection
+
+        mask_connection(pg.get_connection(s["pacer_conn_id"]))  # its password never reaches a log
         connect = cast("Callable[[], psycopg.Connection]", pg.get_conn)
         return PostgresPacer(connect, account=s["base_url"],
                              requests_per_second=s["requests_per_second"], target_fraction=s["target_fraction"])
