@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help venv demo test test-fast lint typecheck bench chaos psql stop emulator clean
+.PHONY: help venv demo airflow test test-fast lint typecheck bench chaos psql stop emulator clean
 
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -19,6 +19,9 @@ venv: $(VENV)/.installed  ## create .venv with the pinned requirements and the p
 
 demo: venv       ## embedded Postgres + emulator + demo data + `airflow dags test lifecycle_emails` (DEMO_ARGS="--reset --users N --seed N --keep-db")
 	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+airflow: venv    ## a local Airflow 3 UI (standalone) with the DAGs, plugins, connections, pool and demo data; prints URL + login (AIRFLOW_PORT=8080)
+	$(PY) scripts/airflow_local.py up
 
 test: venv       ## the whole suite (embedded Postgres, or TEST_DATABASE_URL when set)
 	$(PY) -m pytest
@@ -40,11 +43,13 @@ chaos: venv      ## kill the sender 200 times at random points + provider faults
 psql: venv       ## open the demo's send log in psql (starts the embedded server if needed)
 	$(PY) scripts/psql.py
 
-stop: venv       ## stop the embedded PostgreSQL servers the demo and tests started
-	$(PY) -c "from mailflow import devenv; from pathlib import Path; [print(p, devenv.stop_embedded(Path(p))) for p in ('.demo/pgdata', '.demo/pgdata-test')]"
+stop: venv       ## stop `make airflow` (SIGINT to airflow standalone, then the emulator) and the embedded PostgreSQL servers
+	$(PY) scripts/airflow_local.py down
+	$(PY) -c "from mailflow import devenv; [print(p, devenv.stop_embedded(p)) for p in (devenv.STATE / 'pgdata', devenv.ROOT / '.demo' / 'pgdata-test')]"
 
-emulator: venv   ## run the Resend-compatible emulator in the foreground on port 8025
-	$(PY) -m mailflow.emulator --port 8025 --outbox .demo/emulator-outbox.jsonl --control
+emulator: venv   ## the Resend-compatible emulator in the foreground on port 8025; accepts API key re_test_emulator (EMULATOR_ARGS="--api-key re_...")
+	@echo "emulator: http://127.0.0.1:8025, API key re_test_emulator (Authorization: Bearer re_test_emulator)"
+	$(PY) -m mailflow.emulator --port 8025 --outbox .demo/emulator-outbox.jsonl --control $(EMULATOR_ARGS)
 
 clean: stop      ## remove the demo state (.demo: embedded database, outbox, Airflow home)
 	rm -rf .demo

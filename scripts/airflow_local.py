@@ -14,6 +14,10 @@ use it to run Airflow 3 the way an operator does:
   started (``airflow standalone`` shuts its components down on SIGINT, not SIGTERM), waits, and
   only then kills what is left of that process group.
 * :class:`AirflowApi`: the REST calls the UI makes (``/api/v2/...``) with a bearer token.
+
+Run as a script it is ``make airflow`` / ``make stop`` (:func:`up`, :func:`down`): the same
+environment and the same :class:`Proc`, left running in the background with PID files in
+``.demo/airflow-local/`` (see the ``up`` docstring).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -223,9 +228,18 @@ def stop_all(procs: Iterable[Proc]) -> dict[str, str]:
 class AirflowApi:
     """REST API v2 with a JWT from SimpleAuthManager (``GET /auth/token`` when all users are admins)."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0):
+    def __init__(self, base_url: str, timeout: float = 30.0, credentials: tuple[str, str] | None = None):
+        """:param credentials: ``(user, password)`` of SimpleAuthManager (``POST /auth/token``); None:
+        every visitor is admin (``GET /auth/token``)."""
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.credentials = credentials
+
+    def _token(self) -> httpx.Response:
+        if self.credentials:
+            user, password = self.credentials
+            return self.http.post("/auth/token", json={"username": user, "password": password})
+        return self.http.get("/auth/token")
 
     def close(self) -> None:
         self.http.close()
@@ -239,7 +253,7 @@ class AirflowApi:
                 if not p.alive():
                     raise RuntimeError(f"{p.name} exited ({p.popen and p.popen.returncode}):\n{p.tail()}")
             try:
-                resp = self.http.get("/auth/token")
+                resp = self._token()
                 if resp.status_code in (200, 201):
                     self.http.headers["Authorization"] = f"Bearer {resp.json()['access_token']}"
                     if self.http.get("/api/v2/monitor/health").status_code == 200:
@@ -357,3 +371,208 @@ class AirflowApi:
             except ValueError:
                 return value
         return value
+
+
+# -- make airflow / make stop ----------------------------------------------------------------------
+
+ADMIN = "admin"
+POOL = ("email_provider", 4, "Bounds concurrent send tasks; the pacer enforces the rate")
+DEMO_CAMPAIGN = "demo_outreach"
+
+
+def local_dir() -> Path:
+    """``.demo/airflow-local`` (or under ``MAILFLOW_DEMO_STATE``): home, PID files, logs, password."""
+    from mailflow import devenv
+
+    return devenv.STATE / "airflow-local"
+
+
+def _secret(path: Path) -> str:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(12))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def stop_group(pid: int, timeout: float = 45.0, first: signal.Signals = signal.SIGINT) -> str:
+    """Stop a process started (by an earlier command) in its own session: ``first`` to ``pid``, wait;
+    then SIGTERM/SIGKILL to what is left of its process group. Returns how it ended."""
+    from mailflow.devenv import pid_alive
+
+    how = "was not running"
+    if pid_alive(pid):
+        os.kill(pid, first)
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        how = f"stopped on {first.name}" if not pid_alive(pid) else f"still running {timeout:.0f} s after {first.name}"
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if not group_alive(pid):
+            break
+        how += f"; {sig.name} to process group {pid}"
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return how
+
+
+def _demo_campaign(dsn: str) -> None:
+    """A scheduled campaign (``demo_outreach``: the free-plan users, 600 a day from now, every day
+    08:00-20:00 UTC) so the progress page has a planned-versus-sent curve; created once. It sends
+    only when ``dispatch_scheduled_emails`` is unpaused."""
+    import psycopg
+
+    from mailflow import scheduled
+
+    with psycopg.connect(dsn) as conn:
+        if conn.execute("select 1 from mail.campaign where name = %s", (DEMO_CAMPAIGN,)).fetchone():
+            return
+        conn.rollback()
+        cid = scheduled.create_campaign(conn, {
+            "name": DEMO_CAMPAIGN, "template": "outreach", "subject": "{{ user.first_name or 'Hi' }}, new practice packs",
+            "from": "Practice Team <practice@mail.example.com>", "recipients_sql": "free_plan_users",
+            "timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["08:00-20:00"], "emails_per_day": 600,
+        }, actor="make airflow")
+        scheduled.provision(conn, cid, now=datetime.now(UTC), chunk=5000)
+
+
+def up(port: int = 8080, timeout: float = 300.0) -> int:
+    """``make airflow``: a local Airflow 3 (``airflow standalone``, LocalExecutor) on this checkout.
+
+    * metadata database ``airflow_local`` and the send log ``mailflow_demo`` on the embedded
+      PostgreSQL (the send log: ``AIRFLOW_CONN_SEND_LOG_DB`` instead when set), migrated, with the
+      demo data (loaded once, as ``make demo`` does, under the demo's lock) and a small scheduled
+      campaign;
+    * the emulator as the email API (outbox and idempotency memory of that database, as in
+      ``make demo``), API key in ``.demo/emulator.key``;
+    * the package's DAGs and plugins, the three connections, the ``email_provider`` pool; DAGs are
+      created paused (unpause one in the UI to send);
+    * SimpleAuthManager with one user, ``admin``, password generated once into
+      ``.demo/airflow-local/admin.password``.
+
+    Both long-running processes run in sessions of their own with PID files next to the home, so
+    :func:`down` (``make stop``) stops exactly them. Prints the URL and the login. Returns the exit code.
+    """
+    import psycopg
+
+    from mailflow import devenv
+    from mailflow.demo.loader import load_demo_data
+    from mailflow.migrate import migrate
+
+    here = local_dir()
+    if (pid := devenv.local_airflow_pid()) is not None:
+        print(f"airflow standalone already running (pid {pid}):")
+        print((here / "banner.txt").read_text() if (here / "banner.txt").exists() else "")
+        return 0
+    with devenv.exclusive("airflow", what="make airflow"):
+        here.mkdir(parents=True, exist_ok=True)
+        if not _port_free(port):
+            print(f"make airflow: port {port} is in use; choose another with AIRFLOW_PORT=NNNN", file=sys.stderr)
+            return 2
+        embedded = devenv.embedded_dsn()
+        print(f"embedded PostgreSQL: {devenv.STATE / 'pgdata'}")
+        meta_dsn = devenv.create_database(embedded, "airflow_local")
+        external = os.environ.get("AIRFLOW_CONN_SEND_LOG_DB")
+        send_log_dsn = (devenv.dsn_from_airflow_conn(external) if external
+                        else devenv.create_database(embedded, "mailflow_demo"))
+        with devenv.exclusive("demo", wait=900), psycopg.connect(send_log_dsn, autocommit=True) as conn:
+            migrate(conn)
+            anchor = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+            print(f"send log: {send_log_dsn}; demo data: {load_demo_data(conn, anchor=anchor)}")
+            state = devenv.database_state(conn)
+        _demo_campaign(send_log_dsn)
+
+        api_key = "re_demo_" + _secret(devenv.STATE / "emulator.key")[:16]
+        emu_port = free_port()
+        emulator = Proc("emulator", [sys.executable, "-m", "mailflow.emulator", "--port", str(emu_port),
+                                     "--outbox", str(state / "outbox.jsonl"), "--idempotency-store",
+                                     str(state / "idempotency.jsonl"), "--api-key", api_key, "--rate-limit", "10"],
+                        {**os.environ, "PYTHONUNBUFFERED": "1"}, here / "emulator.log").start()
+        (here / "emulator.pid").write_text(str(emulator.pid))
+        emulator_url = f"http://127.0.0.1:{emu_port}"
+        password = _secret(here / "admin.password")
+        (here / "passwords.json").write_text(json.dumps({ADMIN: password}))
+        env = airflow_env(here / "home", meta_dsn, mailflow_connections(
+            send_log_dsn, emulator_url, api_key, _secret(devenv.STATE / "unsubscribe.secret")), api_port=port, extra={
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(here / "passwords.json"),
+            "MAILFLOW_DEMO_STATE": str(devenv.STATE),
+        })
+        standalone = Proc("airflow standalone", [str(VENV_BIN / "airflow"), "standalone"], env,
+                          here / "standalone.log").start()
+        devenv.airflow_pidfile().write_text(str(standalone.pid))
+        print(f"airflow standalone starting (pid {standalone.pid}, log {standalone.log}) ...")
+        api = AirflowApi(f"http://127.0.0.1:{port}", credentials=(ADMIN, password))
+        try:
+            took = api.wait_ready(timeout, [standalone, emulator])
+            api.ensure_pool(*POOL)
+            api.wait_dag("lifecycle_emails", timeout=120)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"make airflow: {exc}", file=sys.stderr)
+            down()
+            return 1
+        finally:
+            api.close()
+        banner = (f"Airflow UI:        http://127.0.0.1:{port}/   login: {ADMIN} / {password}\n"
+                  f"campaign progress: http://127.0.0.1:{port}/plugin/mailflow (Browse > Mail campaigns)\n"
+                  f"email API:         {emulator_url} (emulator, API key in {devenv.STATE / 'emulator.key'})\n"
+                  f"send log:          {send_log_dsn}\n"
+                  f"stop everything:   make stop")
+        (here / "banner.txt").write_text(banner + "\n")
+        print(f"ready in {took:.0f} s (DAGs are paused: unpause one to send)")
+        print(banner)
+    return 0
+
+
+def down() -> dict[str, str]:
+    """``make stop`` (the Airflow part): SIGINT to ``airflow standalone`` (it stops its scheduler,
+    API server, DAG processor and triggerer on SIGINT, not on SIGTERM), then the emulator; what
+    outlives that in their process groups is terminated. Returns ``{name: how}``."""
+    here = local_dir()
+    out: dict[str, str] = {}
+    for name, pidfile, first in (("airflow standalone", here / "standalone.pid", signal.SIGINT),
+                                 ("emulator", here / "emulator.pid", signal.SIGINT)):
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        out[name] = f"pid {pid}: " + stop_group(pid, first=first)
+        pidfile.unlink(missing_ok=True)
+    (here / "banner.txt").unlink(missing_ok=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="make airflow / make stop: a local Airflow 3 for this checkout")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="start (or show) the local Airflow")
+    u.add_argument("--port", type=int, default=int(os.environ.get("AIRFLOW_PORT") or 8080))
+    u.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the API server")
+    sub.add_parser("down", help="stop the local Airflow and its emulator")
+    args = p.parse_args(argv)
+    if args.cmd == "up":
+        return up(args.port, args.timeout)
+    for name, how in down().items():
+        print(f"{name}: {how}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

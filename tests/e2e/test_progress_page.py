@@ -247,6 +247,30 @@ def test_by_default_addresses_are_masked_for_everyone(server: Server, monkeypatc
         assert all("***" not in r["email"] for r in client.get("/api/campaigns/first_practice").json()["recent"])
 
 
+def assert_charts(server: Server, page: Any, campaign: str | None, final: dict[str, Any]) -> None:
+    """Both charts of a page drawn (a uPlot canvas each) with the send log's numbers."""
+    page.locator('#charts[data-ready="true"]').wait_for(timeout=15_000)
+    sends = page.locator("#chart-sends")
+    assert sends.locator("canvas").count() == 1
+    assert sends.get_attribute("data-unit") == "day"  # finished: history per day
+    with psycopg.connect(server.send_log_dsn) as conn:
+        sent_total = conn.execute("select count(*) from mail.send_log where status = 'sent'"
+                                  + (" and campaign = %s" if campaign else ""),
+                                  (campaign,) if campaign else ()).fetchone()[0]
+    assert int(sends.get_attribute("data-total") or -1) == sent_total
+    plan = page.locator("#plan-box")
+    if campaign:  # scheduled: planned vs sent, cumulative, both ending at the campaign's totals
+        assert plan.is_visible() and plan.locator("canvas").count() == 1
+        chart = page.locator("#chart-plan")
+        assert int(chart.get_attribute("data-planned") or -1) == final["total"] - final["cancelled"]
+        assert int(chart.get_attribute("data-sent") or -1) == final["sent"]
+    else:
+        assert not plan.is_visible()
+    assert page.evaluate("typeof uPlot") == "function"
+    assert all(src.startswith(server.base_url) for src in page.evaluate(
+        "Array.from(document.querySelectorAll('script[src], link[href]')).map(e => e.src || e.href)"))
+
+
 # -- the page in a real browser -------------------------------------------------------------------------
 
 def dom_counts(root: Any) -> dict[str, int]:
@@ -337,6 +361,10 @@ def _page_story(server: Server, context: Any) -> None:
     generated = listing.locator("#updated").get_attribute("data-generated-at")
     time.sleep(2.5)  # two refresh periods: nothing is fetched any more
     assert listing.locator("#updated").get_attribute("data-generated-at") == generated
+    # the charts (uPlot, served by the plugin: no CDN): drawn on canvases from the series API, whose
+    # totals equal the send log's
+    assert_charts(server, page, CAMPAIGN, final)
+    assert_charts(server, listing, None, final)
     page.screenshot(path=str(ARTIFACTS / "campaign.png"), full_page=True)
     listing.screenshot(path=str(ARTIFACTS / "list.png"), full_page=True)
 

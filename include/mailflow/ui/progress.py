@@ -16,7 +16,15 @@ one) and Airflow's "website" view permission:
                                       ``MAILFLOW_UI_REFRESH_SECONDS`` while any campaign is active, then
                                       ``done`` and the stream ends
 ``GET /api/campaigns/{name}/stream``  the same for one campaign
+``GET /api/series``                   JSON for the charts: every campaign's sends over time (per minute,
+                                      last 2 h, while any is active; else per day, last 30 days, UTC)
+``GET /api/campaigns/{name}/series``  the same for one campaign (per day in its timezone, its whole
+                                      history) and, for a scheduled campaign, planned vs sent as
+                                      cumulative counts per hour (per day beyond 21 days)
 ====================================  ====================================================================
+
+The charts are drawn with uPlot (MIT, vendored from its npm package into ``static/``, see
+``static/VENDORED.md``); nothing is loaded from a CDN.
 
 Read-only: the data comes from the send log through the views of migration 0004, read per request
 over a new connection of the ``send_log_db`` Airflow connection in a read-only session with a
@@ -40,7 +48,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, cast
@@ -57,7 +65,8 @@ from mailflow.store import mask_email
 log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
-_ASSETS = {"progress.js": "text/javascript", "progress.css": "text/css"}
+_ASSETS = {"progress.js": "text/javascript", "progress.css": "text/css",
+           "uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css"}
 _EMAIL = re.compile(r"[^\s<>\"'`(),;:\[\]]+@[^\s<>\"'`(),;:\[\]]+")
 STREAM_SECONDS = 300.0  # a stream ends after this; the browser reconnects (and re-authenticates)
 RECENT_LIMIT = 20
@@ -100,6 +109,111 @@ group by error, rolled_back, dead_lettered
 order by last_at desc
 limit %(limit)s
 """
+
+
+LIVE_MINUTES = 120
+HISTORY_DAYS = 30
+PLAN_HOURLY_MAX_DAYS = 21
+PER_MINUTE_SQL = """
+select campaign, date_trunc('minute', sent_at) as t, count(*) as sent
+from mail.send_log
+where status = 'sent' and sent_at >= %(since)s and (%(campaign)s::text is null or campaign = %(campaign)s)
+group by 1, 2 order by 2
+"""
+PER_DAY_ALL_SQL = """
+select campaign, (sent_at at time zone 'UTC')::date as t, count(*) as sent
+from mail.send_log
+where status = 'sent' and sent_at >= %(since)s
+group by 1, 2 order by 2
+"""
+PER_DAY_ONE_SQL = """
+select campaign, (sent_at at time zone %(tz)s)::date as t, count(*) as sent
+from mail.send_log
+where campaign = %(campaign)s and status = 'sent'
+group by 1, 2 order by 2
+"""
+PLAN_SQL = """
+select t, sum(planned)::bigint as planned, sum(sent)::bigint as sent from (
+    select date_trunc('hour', scheduled_at) as t, 1 as planned, 0 as sent
+    from mail.send_log where campaign = %(campaign)s and kind = 'scheduled' and status <> 'cancelled'
+    union all
+    select date_trunc('hour', sent_at), 0, 1
+    from mail.send_log where campaign = %(campaign)s and kind = 'scheduled' and status = 'sent'
+) x group by t order by t
+"""
+
+
+def _epoch(value: Any) -> int:
+    """Epoch seconds of a datetime (aware) or a date (its UTC midnight: the chart labels days)."""
+    if isinstance(value, datetime):
+        return int(value.timestamp())
+    return int(datetime(value.year, value.month, value.day, tzinfo=UTC).timestamp())
+
+
+def _grid(rows: list[tuple[str, Any, int]], steps: list[Any]) -> dict[str, Any]:
+    """``{"t": [epoch s], "series": {campaign: [count per step]}}`` with zeros where nothing was sent."""
+    index = {step: i for i, step in enumerate(steps)}
+    series: dict[str, list[int]] = {}
+    for campaign, t, n in rows:
+        if t in index:
+            series.setdefault(campaign, [0] * len(steps))[index[t]] += int(n)
+    return {"t": [_epoch(x) for x in steps], "series": dict(sorted(series.items()))}
+
+
+def load_series(conn: psycopg.Connection, name: str | None = None, *, now: datetime | None = None) -> dict[str, Any] | None:
+    """The charts' data (shapes in the module docstring); None for an unknown campaign.
+
+    ``sends``: ``{"unit": "minute" | "day", "t": [...], "series": {campaign: [...]}}``: per minute
+    over the last 120 minutes while the campaign (the list: any campaign) is active, else per day
+    (the list: the last 30 UTC days; one campaign: from its first to its last sending day, in its
+    timezone). ``plan`` (scheduled campaigns only, else None): ``{"unit": "hour" | "day", "t": [...],
+    "planned": [...], "sent": [...]}``, cumulative counts at the end of each step; planned counts
+    every row not cancelled at its ``scheduled_at``.
+    """
+    if now is None:
+        now = conn.execute("select now()").fetchone()[0]  # type: ignore[index]
+    assert now is not None
+    progress = _rows(conn, ONE_SQL if name else LIST_SQL, {"campaign": name} if name else None)
+    if name and not progress:
+        return None
+    active = any(p["active"] for p in progress)
+    out: dict[str, Any] = {"campaign": name, "plan": None}
+    if active:
+        start = (now - timedelta(minutes=LIVE_MINUTES - 1)).replace(second=0, microsecond=0)
+        rows = conn.execute(PER_MINUTE_SQL, {"since": start, "campaign": name}).fetchall()
+        steps = [start + timedelta(minutes=i) for i in range(LIVE_MINUTES)]
+        out["sends"] = {"unit": "minute", **_grid([(c, t, n) for c, t, n in rows], steps)}
+    else:
+        if name:
+            tz = progress[0].get("timezone") or "UTC"
+            rows = conn.execute(PER_DAY_ONE_SQL, {"campaign": name, "tz": tz}).fetchall()
+            first = rows[0][1] if rows else now.date()
+            last = rows[-1][1] if rows else now.date()
+        else:
+            last = now.astimezone(UTC).date()
+            first = last - timedelta(days=HISTORY_DAYS - 1)
+            rows = conn.execute(PER_DAY_ALL_SQL, {"since": datetime(first.year, first.month, first.day, tzinfo=UTC)}).fetchall()
+        steps = [first + timedelta(days=i) for i in range((last - first).days + 1)]
+        out["sends"] = {"unit": "day", **_grid([(c, t, n) for c, t, n in rows], steps)}
+    if name and progress[0].get("kind") == "scheduled":
+        plan = conn.execute(PLAN_SQL, {"campaign": name}).fetchall()
+        unit = "hour"
+        if plan and plan[-1][0] - plan[0][0] > timedelta(days=PLAN_HOURLY_MAX_DAYS):
+            unit, by_day = "day", {}
+            for t, planned, sent in plan:
+                day = t.replace(hour=0)
+                p0, s0 = by_day.get(day, (0, 0))
+                by_day[day] = (p0 + planned, s0 + sent)
+            plan = [(t, p, s) for t, (p, s) in sorted(by_day.items())]
+        planned_c, sent_c, total_p, total_s = [], [], 0, 0
+        for _, p, s in plan:
+            total_p += int(p)
+            total_s += int(s)
+            planned_c.append(total_p)
+            sent_c.append(total_s)
+        out["plan"] = {"unit": unit, "t": [_epoch(t) for t, _, _ in plan], "planned": planned_c, "sent": sent_c}
+    out["active"] = active
+    return out
 
 
 def show_addresses_setting() -> bool:
@@ -254,6 +368,17 @@ def create_app(connect: Connect = send_log_readonly, *, auth: bool = True) -> Fa
         if found is None:
             raise HTTPException(status_code=404, detail=f"no campaign {name!r} in the send log")
         return dict(found) | {"show_addresses": show, "generated_at": datetime.now().astimezone().isoformat()}
+
+    @app.get("/api/series")
+    def series(request: Request) -> dict[str, Any]:
+        return dict(read(load_series))
+
+    @app.get("/api/campaigns/{name}/series")
+    def campaign_series(request: Request, name: str) -> dict[str, Any]:
+        found = read(lambda conn: load_series(conn, name))
+        if found is None:
+            raise HTTPException(status_code=404, detail=f"no campaign {name!r} in the send log")
+        return dict(found)
 
     async def stream(request: Request, load: Callable[[psycopg.Connection], dict[str, Any] | None]) -> AsyncIterator[str]:
         deadline = time.monotonic() + STREAM_SECONDS

@@ -126,8 +126,81 @@
     });
   }
 
+  // -- charts (uPlot, vendored: static/uPlot.iife.min.js) ---------------------------------------
+  const seriesUrl = campaign ? `${api}/series` : `${root}/api/series`;
+  const COLORS = ["#017cee", "#e8590c", "#2f9e44", "#ae3ec9", "#f59f00", "#1098ad", "#c2255c", "#5c7cfa"];
+  const charts = {};
+  let seriesAt = 0;
+  let seriesBusy = false;
+
+  function chartWidth(el) {
+    return Math.max(320, Math.floor(el.getBoundingClientRect().width || el.parentElement.clientWidth || 600) - 4);
+  }
+
+  function draw(key, el, opts, data, meta) {
+    if (charts[key]) { charts[key].destroy(); delete charts[key]; }
+    el.replaceChildren();
+    Object.assign(el.dataset, meta);
+    if (typeof uPlot === "undefined") { el.textContent = "chart library missing"; return; }
+    charts[key] = new uPlot({ width: chartWidth(el), height: 240, ...opts }, data, el);
+  }
+
+  function drawSends(s) {
+    const el = document.getElementById("chart-sends");
+    const names = Object.keys(s.series);
+    const unit = s.unit;
+    document.getElementById("sends-title").textContent =
+      unit === "minute" ? "Sends per minute (live, last 2 hours)" : "Sends per day";
+    const total = names.reduce((acc, n) => acc + s.series[n].reduce((a, b) => a + b, 0), 0);
+    const bars = uPlot.paths && uPlot.paths.bars ? uPlot.paths.bars({ size: [0.8, 40] }) : undefined;
+    draw("sends", el, {
+      scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max)] } },
+      axes: [{}, { label: unit === "minute" ? "emails / min" : "emails / day" }],
+      series: [{ label: unit === "minute" ? "minute" : "day",
+                 value: (u, v) => v == null ? "-" : (unit === "day" ? new Date(v * 1000).toISOString().slice(0, 10)
+                                                     : new Date(v * 1000).toLocaleTimeString()) },
+        ...names.map((n, i) => ({ label: n, stroke: COLORS[i % COLORS.length], fill: names.length === 1 ? COLORS[0] + "55" : undefined,
+                                  width: 2, paths: names.length === 1 ? bars : undefined, points: { show: false } }))],
+    }, [s.t, ...names.map((n) => s.series[n])],
+    { unit, points: String(s.t.length), campaigns: names.join(","), total: String(total) });
+  }
+
+  function drawPlan(plan) {
+    const box = document.getElementById("plan-box");
+    box.hidden = !plan;
+    if (!plan) return;
+    const last = (a) => (a.length ? a[a.length - 1] : 0);
+    draw("plan", document.getElementById("chart-plan"), {
+      scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max)] } },
+      axes: [{}, { label: "emails (cumulative)" }],
+      series: [{ label: plan.unit },
+        { label: "planned", stroke: "#868e96", width: 2, dash: [6, 4], points: { show: false } },
+        { label: "sent", stroke: "#017cee", width: 2, fill: "#017cee22", points: { show: false } }],
+    }, [plan.t, plan.planned, plan.sent],
+    { unit: plan.unit, points: String(plan.t.length), planned: String(last(plan.planned)), sent: String(last(plan.sent)) });
+  }
+
+  async function refreshCharts(force) {
+    if (seriesBusy || (!force && Date.now() - seriesAt < Math.max(5000, refreshMs))) return;
+    seriesBusy = true;
+    try {
+      const resp = await fetch(seriesUrl, { credentials: "same-origin", headers: { Accept: "application/json" } });
+      if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+      const s = await resp.json();
+      drawSends(s.sends);
+      drawPlan(s.plan);
+      document.getElementById("charts").dataset.ready = "true";
+      seriesAt = Date.now();
+    } catch (err) {
+      document.getElementById("sends-title").textContent = `Sends (chart unavailable: ${err.message})`;
+    } finally {
+      seriesBusy = false;
+    }
+  }
+
   function render(data) {
     if (campaign) renderCampaign(data); else renderList(data);
+    refreshCharts(!data.active);
     updated.textContent = `updated ${new Date().toLocaleTimeString()}`;
     updated.dataset.generatedAt = data.generated_at || "";
   }
