@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from email.utils import formatdate
 from functools import lru_cache
-from typing import Any
+from typing import Any, TextIO
 
 from email_validator import EmailNotValidError, validate_email
 from starlette.applications import Starlette
@@ -284,7 +284,7 @@ class Emulator:
         self.initial = config
         self.cfg = config
         self._outbox = open(config.outbox, "a", encoding="utf-8") if config.outbox else None
-        self._idem_store = None
+        self._idem_store: TextIO | None = None
         self.reset(keep_config=False, truncate=False)  # an existing outbox is appended to, never lost
         if config.idempotency_store:
             self._load_idem_store(config.idempotency_store)
@@ -344,10 +344,11 @@ class Emulator:
             self._outbox.seek(0)
             self._outbox.truncate()
             self._outbox.flush()
-        if getattr(self, "_idem_store", None) is not None and truncate:
-            self._idem_store.seek(0)
-            self._idem_store.truncate()
-            self._idem_store.flush()
+        store: TextIO | None = getattr(self, "_idem_store", None)
+        if store is not None and truncate:
+            store.seek(0)
+            store.truncate()
+            store.flush()
 
     def now(self) -> float:
         return float(self.cfg.clock()) + self.clock_offset

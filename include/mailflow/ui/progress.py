@@ -199,7 +199,8 @@ def load_series(conn: psycopg.Connection, name: str | None = None, *, now: datet
         plan = conn.execute(PLAN_SQL, {"campaign": name}).fetchall()
         unit = "hour"
         if plan and plan[-1][0] - plan[0][0] > timedelta(days=PLAN_HOURLY_MAX_DAYS):
-            unit, by_day = "day", {}
+            unit = "day"
+            by_day: dict[datetime, tuple[int, int]] = {}
             for t, planned, sent in plan:
                 day = t.replace(hour=0)
                 p0, s0 = by_day.get(day, (0, 0))

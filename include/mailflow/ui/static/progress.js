@@ -153,8 +153,11 @@
       unit === "minute" ? "Sends per minute (live, last 2 hours)" : "Sends per day";
     const total = names.reduce((acc, n) => acc + s.series[n].reduce((a, b) => a + b, 0), 0);
     const bars = uPlot.paths && uPlot.paths.bars ? uPlot.paths.bars({ size: [0.8, 40] }) : undefined;
+    const step = unit === "minute" ? 60 : 86400;
     draw("sends", el, {
-      scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max)] } },
+      // half a step of room on each side, so a single day or minute is a bar, not a whole axis
+      scales: { x: { time: true, range: (u, min, max) => [min - step / 2, max + step / 2] },
+                y: { range: (u, min, max) => [0, Math.max(1, max)] } },
       axes: [{}, { label: unit === "minute" ? "emails / min" : "emails / day" }],
       series: [{ label: unit === "minute" ? "minute" : "day",
                  value: (u, v) => v == null ? "-" : (unit === "day" ? new Date(v * 1000).toISOString().slice(0, 10)
@@ -187,6 +190,8 @@
       const resp = await fetch(seriesUrl, { credentials: "same-origin", headers: { Accept: "application/json" } });
       if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
       const s = await resp.json();
+      // the plan box first: whether it shows decides the layout, hence the width of both charts
+      document.getElementById("plan-box").hidden = !s.plan;
       drawSends(s.sends);
       drawPlan(s.plan);
       document.getElementById("charts").dataset.ready = "true";
