@@ -1144,7 +1144,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, LookupError, CampaignStateError, SchemaNotCurrent, psycopg.Error) as exc:
         print(f"error: {type(exc).__name__}: {str(exc).strip()}", file=sys.stderr)
         if isinstance(exc, psycopg.OperationalError):
-            print("hint: is the database running? (the demo's embedded server: make psql / make demo)", file=sys.stderr)
+            print("hint: is the database running? The demo's embedded server stops when `make demo` ends; "
+                  "start it with `make psql` (it prints the DSN and keeps running after \\q), `make airflow`, "
+                  "or `make demo DEMO_ARGS=--keep-db`; `make stop` stops it", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=2, default=_json_default))
     return 0

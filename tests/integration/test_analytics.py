@@ -431,6 +431,22 @@ def test_the_doc_has_eleven_questions_each_with_sql() -> None:
     assert all(sql.lstrip().lower().startswith(("select", "with")) for _, _, sql in questions.values())
 
 
+def test_every_question_runs_unmodified_on_the_demo_data(demo: Demo) -> None:
+    # Issue 17: a newcomer pastes each block into `make psql` after `make demo`, defaults untouched.
+    today = demo.conn.execute("select current_date").fetchone()[0].isoformat()  # type: ignore[index]
+    got = {n: ask(demo, n) for n in range(1, 11)}  # no parameter given: the doc's \set defaults
+    assert got[1] == ask(demo, 1, day=today) and len(got[1]) >= len(demo.outbox) > 0
+    assert sum(r[3] for r in got[2]) >= sum(s.failed for s in demo.summaries.values()) > 0
+    assert got[3] == ask(demo, 3, run_id=demo.run_id)  # empty run_id: the latest run, the demo's
+    assert got[4] == ask(demo, 4, run_id=demo.run_id) and len(got[4]) == sum(
+        1 for s in demo.summaries.values() if s.minted)
+    assert got[5] == ask(demo, 5, since="2000-01-01") and got[5]
+    assert [r[0] for r in got[6]] == ["practice_tips"]
+    assert sum(r[0] * r[1] for r in got[10]) >= len(demo.outbox)
+    for n in (7, 8, 9):  # may legitimately be empty on a healthy demo; they run as written
+        assert isinstance(got[n], list)
+
+
 def test_the_run_itself(demo: Demo) -> None:
     s = demo.summaries
     assert sum(x.sent for x in s.values()) == len(demo.outbox) > 1000
