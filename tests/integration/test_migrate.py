@@ -156,7 +156,8 @@ def test_a_transactional_file_gives_up_on_a_busy_table_instead_of_queueing_reade
         assert conn.execute("select 1 from mail.schema_migrations where version = 9002").fetchone() is None
         assert migrate(conn, lock_timeout_seconds=0.2) == ["9002_alter.sql"]
         # the migrator released its advisory lock both times
-        assert conn.execute("select count(*) from pg_locks where locktype = 'advisory'").fetchone() == (0,)
+        assert conn.execute("select count(*) from pg_locks where locktype = 'advisory' and database ="
+                            " (select oid from pg_database where datname = current_database())").fetchone() == (0,)
 
 
 def test_cli_migrate_and_check(fresh: str) -> None:
