@@ -70,7 +70,7 @@ class InstantProvider:
         self.emails = 0
         self.stamps: list[float] = []
 
-    def send_batch(self, batch: PreparedBatch, deadline: float) -> Accepted:
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Accepted:
         self.stamps.append(time.perf_counter())
         self.calls += 1
         n = len(batch.row_ids)

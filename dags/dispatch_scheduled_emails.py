@@ -19,9 +19,9 @@ worker hand-off (seconds, more under load) and needs a triggerer, for no gain ov
 
 * Concurrency-safe: claims use `FOR UPDATE SKIP LOCKED`; two dispatchers never share a row or wait.
 * Terminal states are protected: `sent`/`cancelled` rows are never claimed; suppressed users' due
-  rows are cancelled before sending; a whole-request failure returns rows to `pending` with a
-  backoff (dead-lettered after `MAILFLOW_MAX_ATTEMPTS`); unknown outcomes are left to
-  `reconcile_send_log`.
+  rows are cancelled before sending; a request proven not processed returns its rows to `pending`
+  without charging them and stops the run; rows of an ambiguous request keep their key and bytes
+  and are resent with that key only (by `reconcile_send_log`) until a 2xx answers it.
 * Paused campaigns are skipped (their plan is kept); campaigns with nothing left become `completed`.
 * Connections: `send_log_db`, `resend_default`, `mail_unsubscribe`. Pool `email_provider`.
 """

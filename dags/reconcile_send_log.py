@@ -8,7 +8,8 @@ Every 30 minutes, repair what crashes and unknown provider outcomes left in `mai
   provider's 24 h idempotency window is resent with the **same key and the same stored bytes**; a
   batch past the window becomes `failed` ("unknown outcome") and is dead-lettered, never resent
   under a new key;
-* users whose whole-request failures reached `max_attempts` are dead-lettered;
+* rows of a stale batch are ambiguous (their sender may have written the request): only a 2xx
+  answer to their key resolves them; a 5xx, 429 or the budget leaves them for the next run;
 * dead letters alert through the configured notifier (`MAILFLOW_ALERT`: log, smtp or slack).
 
 Running it twice changes nothing the second time: every change is guarded on the current state.
@@ -37,8 +38,6 @@ with DAG(
     params={
         "stale_after_seconds": Param(900, type="integer", minimum=60,
                                      description="A sending claim older than this (s) is stale."),
-        "max_attempts": Param(3, type="integer", minimum=1, maximum=10,
-                              description="Whole-request failures before an email is dead-lettered."),
         "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=max_budget_seconds(RECONCILE_TIMEOUT),
                                      description=budget_description("Stop resending batches after this many seconds.",
                                                                     RECONCILE_TIMEOUT)),

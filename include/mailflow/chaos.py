@@ -86,22 +86,25 @@ class _KillingStore:
             _die()
         return self.inner.apply(*a, **k)
 
-    def rebatch(self, *a: Any, **k: Any) -> None:
-        self.inner.rebatch(*a, **k)
+    def rebatch(self, *a: Any, **k: Any) -> Any:
+        return self.inner.rebatch(*a, **k)
 
 
 class _KillingProvider:
     def __init__(self, inner: ResendClient, store: _KillingStore, plan: _Plan | None):
         self.inner, self.store, self.plan = inner, store, plan
 
-    def send_batch(self, batch: Any, deadline: float) -> Any:
+    def reserve_slot(self, deadline: float) -> float | None:
+        return self.inner.reserve_slot(deadline)
+
+    def send_batch(self, batch: Any, deadline: float, slot: float | None = None) -> Any:
         p = self.plan
         if p and self.store.batches - 1 == p.chunk:
             if p.point == "after_mint":
                 _die()
             if p.point == "in_flight":
                 threading.Timer(p.delay, _die).start()
-        return self.inner.send_batch(batch, deadline)
+        return self.inner.send_batch(batch, deadline, slot)
 
 
 def _client(dsn: str, base_url: str) -> ResendClient:

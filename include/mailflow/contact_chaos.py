@@ -44,7 +44,7 @@ SECRET = "contact-chaos-secret-0123456789"
 class AcceptAll:
     """Provider double: accepts every email of a batch (ids unique per key and index)."""
 
-    def send_batch(self, batch: PreparedBatch, deadline: float) -> Outcome:
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Outcome:
         return Accepted(ids={i: f"cc-{batch.idempotency_key}-{i}" for i in range(len(batch.row_ids))}, rejected={})
 
 

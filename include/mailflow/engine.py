@@ -7,6 +7,7 @@ without Airflow; the DAG only builds these from connections and calls :func:`run
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
@@ -37,9 +38,24 @@ MAX_BATCH = 100  # Resend: POST /emails/batch takes 1 to 100 emails
 
 
 class BatchProvider(Protocol):
-    """Sends one prepared batch; see :meth:`mailflow.provider.client.ResendClient.send_batch`."""
+    """Sends one prepared batch; see :meth:`mailflow.provider.client.ResendClient.send_batch`.
 
-    def send_batch(self, batch: PreparedBatch, deadline: float) -> Outcome: ...
+    ``send_batch(batch, deadline, slot)``: ``slot`` is a start time from ``reserve_slot`` (optional:
+    a provider without it is treated as having a free slot now)."""
+
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Outcome: ...
+
+
+def reserve_slot(provider: object, deadline: float, clock: Clock) -> float | None:
+    """The start time (``clock.monotonic()``) of the provider's next request slot, claimed now, or
+    None if it starts after ``deadline``. Called BEFORE a chunk is minted or claimed, so the budget
+    covers the wait for the slot and a minted chunk is always sent (issue 12)."""
+    reserve = getattr(provider, "reserve_slot", None)
+    if reserve is None:
+        now = clock.monotonic()
+        return now if now <= deadline else None
+    start: float | None = reserve(deadline)
+    return start
 
 
 def chunk_size_ok(chunk_size: int) -> int:
@@ -54,29 +70,35 @@ def chunk_size_ok(chunk_size: int) -> int:
 
 def send_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Sequence[MintedRow]], PreparedBatch],
                batch: PreparedBatch, rows: Sequence[MintedRow], deadline: float,
-               run: RunContext) -> tuple[Outcome, Applied, PreparedBatch]:
-    """Send one stored batch and apply the provider's answer by index (both DAG kinds use this).
+               run: RunContext, slot: float | None = None) -> tuple[Outcome, Applied, PreparedBatch]:
+    """Send one stored batch and apply the provider's answer by index (every path uses this).
 
-    On a strict-mode refusal (:class:`Refused`) the named rows fail and the others are re-rendered
-    with ``prepare`` into a new batch (new key, derived from the remaining rows), stored with
-    ``store.rebatch`` and sent; this repeats at most once per row.
+    On a strict-mode refusal (:class:`Refused`: the whole request was refused by validation and
+    nothing was processed) the refused email is never guessed from the message: the whole chunk
+    is re-rendered with ``prepare``, stored as a new batch in permissive mode (a new key, so no key
+    is ever sent with two requests) and sent again; the permissive answer names the refused emails
+    by index. This happens at most once per chunk.
 
     :param rows: the batch's rows in request order (``rows[i]`` is request index ``i``).
+    :param slot: the reserved start of the first request (see :func:`reserve_slot`).
     :returns: the last outcome, the row changes summed over all attempts, and the last batch sent.
     """
     total = Applied()
-    while True:
-        outcome = provider.send_batch(batch, deadline)
+    outcome = _send(provider, batch, deadline, slot)
+    total = total + store.apply(batch, outcome, run)
+    if isinstance(outcome, Refused):
+        log.info("%s: batch %s refused by strict validation (%s); resending the chunk permissive under a new key",
+                 batch.campaign, batch.idempotency_key, outcome.reason)
+        batch = store.rebatch(dataclasses.replace(prepare(rows), validation="permissive"))
+        outcome = _send(provider, batch, deadline, None)
         total = total + store.apply(batch, outcome, run)
-        if not isinstance(outcome, Refused):
-            return outcome, total, batch
-        rows = tuple(r for i, r in enumerate(rows) if i not in outcome.rejected)
-        log.info("%s: %d email(s) refused by strict validation, resending %d as a new batch",
-                 batch.campaign, len(outcome.rejected), len(rows))
-        if not rows:
-            return outcome, total, batch
-        batch = prepare(rows)
-        store.rebatch(batch)
+    return outcome, total, batch
+
+
+def _send(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
+    if slot is None or not hasattr(provider, "reserve_slot"):  # a double without slots: no slot to pass
+        return provider.send_batch(batch, deadline)
+    return provider.send_batch(batch, deadline, slot)
 
 
 def run_lifecycle(
@@ -97,8 +119,10 @@ def run_lifecycle(
 
     Audiences use ``campaign.window(interval)`` and a cooldown since ``interval.end - cooldown``:
     nothing here reads the wall clock for selection, so a backfill re-selects the audience of its
-    own interval. The time budget (seconds, monotonic) is checked between chunks only; what is not
-    minted when it runs out is left for the next run.
+    own interval. The time budget (seconds, monotonic) is checked before each chunk is minted and
+    covers the wait for its request slot; a minted chunk is always sent; what is not minted when it
+    runs out is left for the next run. A whole-request failure stops the run (see the outcome model
+    in docs/model.md).
 
     Backfills: when ``now`` (aware, the wall clock of the run) is given and the interval ended more
     than ``campaign.max_interval_age`` before it, the campaign sends nothing (its moment has passed)
@@ -135,8 +159,15 @@ def run_lifecycle(
             log.info("%s: %d eligible, not started (%s)", campaign.name, summary.eligible, stop)
             continue
         cursor = 0
+        slot: float | None = None
         while True:
-            if clock.monotonic() >= deadline:
+            # The budget covers the wait for the next request slot, checked BEFORE minting: a
+            # minted chunk is always sent (its first attempt starts at the reserved slot).
+            if slot is None:
+                slot = reserve_slot(provider, deadline, clock)
+            elif clock.monotonic() > deadline:
+                slot = None  # reserved for a page that minted nothing; the budget has run out since
+            if slot is None:
                 summary.stopped = stop = "time budget"
                 break
             minted = store.mint_chunk(
@@ -155,7 +186,8 @@ def run_lifecycle(
             summary.chunks += 1
             summary.minted += len(minted.batch.row_ids)
             outcome, applied, batch = send_chunk(store, provider, partial(renderer.prepare_batch, campaign),
-                                                 minted.batch, minted.rows, deadline, run)
+                                                 minted.batch, minted.rows, deadline, run, slot)
+            slot = None
             summary.sent += applied.sent
             summary.failed += applied.failed
             summary.released += applied.released
@@ -164,14 +196,16 @@ def run_lifecycle(
                      campaign.name, summary.chunks, batch.idempotency_key, len(batch.row_ids), applied.sent,
                      applied.failed, applied.released, applied.unknown,
                      "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
-            if isinstance(outcome, NotSent | Unknown):
+            if isinstance(outcome, NotSent | Unknown | Refused):
                 if outcome.fatal:
                     fatal.append(f"{campaign.name}: {outcome.reason}")
-                if outcome.stop_run:
-                    summary.stopped = stop = outcome.stop_run
+                if outcome.stop_run or isinstance(outcome, NotSent):
+                    # A whole-request failure that will repeat (auth, domain, quota, a refused body,
+                    # an outage, the budget) stops the run at once: it does not march through the
+                    # audience. Released rows charged nobody; the next healthy run sends them.
+                    summary.stopped = stop = outcome.stop_run or outcome.reason
                     break
-                # Otherwise (a whole request failed after its retries, rows rolled back or left for
-                # the reconciler) go on with the next page; the next run retries those users.
+                # An ambiguous chunk (rows kept with their key for the reconciler): go on.
         if summary.minted and summary.failed == summary.minted:
             fatal.append(f"{campaign.name}: every one of {summary.minted} emails was rejected by the provider")
         log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, invalid address %d, "

@@ -49,23 +49,36 @@ class PreparedBatch:
     """The exact request for one chunk: ``row_ids[i]`` is the send-log row of request index ``i``.
 
     ``body`` is the JSON array sent to ``POST /emails/batch``, byte-for-byte; every retry of this
-    batch sends these bytes under ``idempotency_key`` (Resend keeps keys 24 h).
+    batch sends these bytes under ``idempotency_key`` (Resend keeps keys 24 h) with the same
+    ``validation`` mode (``x-batch-validation``; None: the client's configured mode). The key the
+    renderer gives is provisional: the store assigns the final one when it stores the batch (see
+    docs/model.md, "Idempotency keys").
     """
 
     idempotency_key: str
     campaign: str
     row_ids: tuple[int, ...]
     body: bytes
+    validation: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.row_ids) <= 100:
             raise ValueError(f"a batch holds 1 to 100 emails (provider docs), got {len(self.row_ids)}")
+        if self.validation not in (None, "strict", "permissive"):
+            raise ValueError(f"batch validation must be 'strict' or 'permissive', got {self.validation!r}")
+
+
+# The outcome model (docs/model.md): every answer to a batch request is exactly one of these.
+# Sources: Resend's error-code page (which statuses and names mean the request was refused as a
+# whole), its idempotency-key page (same key + same body replays the original answer for 24 h), and
+# its batch-validation page (strict: any invalid email fails the whole request, nothing is sent).
 
 
 @dataclass(frozen=True)
 class Accepted:
-    """The provider answered 2xx: ``ids`` maps request index -> provider email id, ``rejected`` maps
-    request index -> the provider's message. Every index of the request is in exactly one of them."""
+    """The provider answered 2xx and the answer adds up: ``ids`` maps request index -> provider email
+    id, ``rejected`` maps request index -> the provider's message (a per-recipient error: that exact
+    email is refused, the only thing that fails a row). Every index is in exactly one of them."""
 
     ids: dict[int, str]
     rejected: dict[int, str]
@@ -75,9 +88,12 @@ class Accepted:
 
 @dataclass(frozen=True)
 class NotSent:
-    """The provider certainly delivered nothing of this batch (e.g. 5xx/429 on every attempt, no
-    ambiguous attempt): the chunk is rolled back. ``stop_run`` says why the run must stop, if it must;
-    ``fatal`` makes the task fail after the rollback (bad API key)."""
+    """Proven not processed: the provider's own answer says the whole request was refused (400/422
+    validation of the whole body, 401/403, 429 of any kind, 409 ``concurrent_idempotent_requests``
+    with no earlier ambiguous attempt) or nothing was ever written to the connection. The chunk is
+    rolled back without charging any user. Such a failure repeats (auth, domain, quota, a refused
+    body, an outage), so ``stop_run`` always names why the run stops; ``fatal`` makes the task fail
+    after everything is recorded, so a person is alerted."""
 
     reason: str
     stop_run: str | None = None
@@ -87,9 +103,11 @@ class NotSent:
 
 @dataclass(frozen=True)
 class Unknown:
-    """The provider may have accepted the batch (timeout or reset after sending, or a response that
-    does not add up): rows stay ``sending`` for the reconciler, which resends the same bytes under the
-    same key within 24 h. Never guessed."""
+    """Ambiguous: the provider may have processed the batch (any 5xx, a timeout or a connection
+    lost after the request was written, a 2xx that does not add up, a 409 with the same key in
+    flight). The rows keep their key and bytes forever and are retried with that key only; only a
+    2xx resolves them; past the idempotency window they become dead letters "unknown outcome".
+    Never guessed."""
 
     reason: str
     stop_run: str | None = None
@@ -99,11 +117,11 @@ class Unknown:
 
 @dataclass(frozen=True)
 class Refused:
-    """Strict validation refused the whole request because of the named emails (request index ->
-    the provider's message); nothing was sent. Those rows fail; the rest are resent as a new batch
-    under a new key derived from the remaining rows."""
+    """Strict batch validation refused the whole request (a 400/422 ``validation_error`` answer to
+    ``x-batch-validation: strict``): nothing was processed. Resend's strict error names no index,
+    so the refused email is not guessed: the caller re-sends the whole chunk in permissive mode
+    under a new key, and the permissive answer names the refused emails by index."""
 
-    rejected: dict[int, str]
     reason: str
     kind: Literal["refused"] = "refused"
     stop_run: str | None = None

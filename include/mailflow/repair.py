@@ -8,28 +8,30 @@ Runs every 30 minutes (``reconcile_send_log``). In order, each step a guarded, i
 3. a stale batch older than the provider's idempotency window (Resend keeps keys 24 h; we use
    ``window`` = 23 h for a margin) is never resent under a new key: its rows become ``failed``
    ("unknown outcome") and dead-lettered for a person to decide;
-4. a stale batch inside the window is re-claimed (conditional update) and resent with the SAME key
-   and the SAME stored bytes: the provider answers with the original result if it had accepted it;
-   the answer is applied by index like any send;
-5. (user, campaign) pairs whose whole-request failures reached ``max_attempts`` get their newest
-   attempt dead-lettered (the audience no longer selects them).
+4. a stale batch inside the window is re-claimed (conditional update) and resent with the SAME key,
+   the SAME stored bytes and the same validation mode: the provider answers with the original
+   result if it had processed it; the answer is applied by index like any send. Its sender is gone
+   and may have written the request, so its rows are ambiguous from the claim on: a 5xx, 429, 4xx
+   or the reconciler's own budget leaves them ``sending`` with their key (never released); only a
+   2xx resolves them. The request slot is reserved before the claim, inside the budget.
 
-Dead letters found in steps 3 and 5 are returned so the DAG can alert through a notifier.
+Whole-request failures never charge users (docs/model.md), so there is no "attempts exhausted"
+step. Dead letters found in step 3 are returned so the DAG can alert through a notifier.
 Running it twice changes nothing the second time.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 
-from mailflow.engine import BatchProvider
-from mailflow.model import PreparedBatch, RunContext
+from mailflow.clock import Clock, SystemClock
+from mailflow.engine import BatchProvider, _send, reserve_slot
+from mailflow.model import NotSent, PreparedBatch, RunContext
 from mailflow.sql import query
 from mailflow.store import PostgresStore, mask_email
 
@@ -51,13 +53,12 @@ class RepairSummary:
     resent_failed: int = 0
     resent_rolled_back: int = 0
     resent_still_unknown: int = 0
-    dead_lettered_exhausted: int = 0
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
 
     def changed(self) -> int:
         """Rows whose state changed in this run."""
         return (self.promoted_sent + self.rolled_back_unbatched + self.unknown_outcome_failed + self.resent_sent
-                + self.resent_failed + self.resent_rolled_back + self.dead_lettered_exhausted)
+                + self.resent_failed + self.resent_rolled_back)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "dead_letters"} | {
@@ -65,17 +66,20 @@ class RepairSummary:
 
 
 def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetime,
-              stale_after: timedelta = timedelta(minutes=15), max_attempts: int = 3,
+              stale_after: timedelta = timedelta(minutes=15),
               window: timedelta = IDEMPOTENCY_WINDOW, run: RunContext | None = None,
-              deadline: float = float("inf"), batch_limit: int = 500) -> RepairSummary:
+              deadline: float = float("inf"), batch_limit: int = 500,
+              clock: Clock | None = None) -> RepairSummary:
     """Run the repair steps once; see the module docstring.
 
     :param conn: psycopg 3 connection to the send log, idle (switched to autocommit; each step is an
         explicit transaction).
     :param now: the database-consistent "now" (aware UTC) the stale threshold and the idempotency
         window are measured from (the reconciler repairs the present, so wall time is right here).
-    :param deadline: ``time.monotonic()`` value after which no new batch is resent.
+    :param deadline: ``clock.monotonic()`` value (default clock: the system's) after which no new
+        batch is resent; the budget covers the wait for each batch's request slot.
     """
+    clock = clock or SystemClock()
     store = PostgresStore(conn)  # sets autocommit: each step below commits on its own
     run = run or RunContext()
     who = {"dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}
@@ -92,20 +96,26 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
 
     with conn.transaction():
         batches = conn.execute(query("repair", "stale_batches"), params | {"limit": batch_limit}).fetchall()
-    for key, campaign, body, count in batches:
-        if time.monotonic() >= deadline:
+    slot: float | None = None
+    for key, campaign, body, count, validation in batches:
+        if slot is None:
+            slot = reserve_slot(provider, deadline, clock)
+        if slot is None:
+            log.info("resend step: the next request slot falls after the budget; the rest waits for the next run")
             break
         with conn.transaction():
             rows = conn.execute(query("repair", "claim_stale_batch"), params | {"key": key}).fetchall()
         claimed = [r for r in rows if r[3]]
         if not claimed:
-            continue  # a live worker or another reconciler owns it now
+            continue  # a live worker or another reconciler owns it now (the slot is kept for the next)
         if len(rows) != count or [r[1] for r in rows] != list(range(count)):
             log.error("batch %s: %d rows with indices %s do not match its %d emails; left for a person",
                       key, len(rows), [r[1] for r in rows], count)
             continue
-        batch = PreparedBatch(idempotency_key=key, campaign=campaign, row_ids=tuple(r[0] for r in rows), body=bytes(body))
-        outcome = provider.send_batch(batch, deadline)
+        batch = PreparedBatch(idempotency_key=key, campaign=campaign, row_ids=tuple(r[0] for r in rows),
+                              body=bytes(body), validation=validation)
+        outcome = _send(provider, batch, deadline, slot)
+        slot = None
         # Rows of the batch that are no longer 'sending' are skipped by the guarded updates.
         applied = store.apply(batch, outcome, run)
         s.batches_resent += 1
@@ -115,12 +125,7 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
         s.resent_still_unknown += applied.unknown
         log.info("resent batch %s (%s, %d emails): %d sent, %d rejected, %d rolled back, %d still unknown",
                  key, campaign, count, applied.sent, applied.failed, applied.released, applied.unknown)
-        if outcome.stop_run:
-            log.warning("stopping the resend step: %s", outcome.stop_run)
+        if outcome.stop_run or isinstance(outcome, NotSent):
+            log.warning("stopping the resend step: %s", outcome.stop_run or getattr(outcome, "reason", ""))
             break
-
-    with conn.transaction():
-        for r in conn.execute(query("repair", "dead_letter_exhausted"), who | {"max_attempts": max_attempts}).fetchall():
-            s.dead_lettered_exhausted += 1
-            s.dead_letters.append({"id": r[0], "user_id": r[1], "campaign": r[2], "email": mask_email(r[3]), "error": r[4]})
     return s

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -68,13 +67,14 @@ from psycopg.types.json import Jsonb
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
 from mailflow.clock import Clock, SystemClock
-from mailflow.engine import MAX_BATCH, send_chunk
+from mailflow.engine import MAX_BATCH, reserve_slot, send_chunk
 from mailflow.model import (
     Accepted,
     MintedRow,
     NotSent,
     Outcome,
     PreparedBatch,
+    Refused,
     RunContext,
     SendError,
     Unknown,
@@ -89,7 +89,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BATCH_SIZE", "COALESCE_SECONDS", "DISPATCH_BUDGET_SECONDS", "CampaignStateError", "DispatchSummary",
-    "ProvisionSummary", "batch_key", "cancel", "complete", "create_campaign", "dispatch", "dispatch_task", "load_spec",
+    "ProvisionSummary", "cancel", "complete", "create_campaign", "dispatch", "dispatch_task", "load_spec",
     "main", "pause", "plan_after", "plan_spec", "provision", "provision_task", "resolve_campaign", "resume", "status",
     "upload_recipients",
 ]
@@ -766,14 +766,6 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     return out
 
 
-def batch_key(rows: Sequence[tuple[int, int]]) -> str:
-    """Idempotency key of a scheduled batch from its ``(send_log id, attempt)`` pairs in request
-    order: ``mfs-<first id>-<16 hex of sha256>``. A row released after a whole-request failure is
-    claimed again with attempt + 1, so its next batch never reuses a key (Resend keeps keys 24 h)."""
-    digest = hashlib.sha256(",".join(f"{i}.{a}" for i, a in rows).encode()).hexdigest()[:16]
-    return f"mfs-{rows[0][0]}-{digest}"
-
-
 def _render_campaign(c: Mapping[str, Any]) -> Campaign:
     """The renderer's :class:`Campaign` for a ``mail.campaign`` row: the subject is the snapshot
     rendered at provisioning (``user.subject``); audience fields are unused."""
@@ -814,9 +806,10 @@ class _Dispatcher:
                                     {"coalesce": coalesce, "batch": self.batch_size}).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
-    def prepare(self, campaign: Campaign, rows: Sequence[MintedRow], attempts: Mapping[int, int]) -> PreparedBatch:
-        batch = self.renderer.prepare_batch(campaign, rows)
-        return dataclasses.replace(batch, idempotency_key=batch_key([(r.id, attempts[r.id]) for r in rows]))
+    def prepare(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
+        """Render a claimed chunk; its key is assigned by the store when the batch is saved
+        (docs/model.md, "Idempotency keys": never the same key for two bodies)."""
+        return self.renderer.prepare_batch(campaign, rows)
 
     def _campaign(self, name: str) -> Campaign:
         if name not in self.campaigns:
@@ -869,7 +862,7 @@ class _Dispatcher:
             attempts = {int(r[0]): int(r[5]) for r in found}
             bad: dict[int, str] = {}
             try:
-                batch: PreparedBatch | None = self.prepare(campaign, rows, attempts)
+                batch: PreparedBatch | None = self.prepare(campaign, rows)
             except (jinja2.TemplateError, ValueError, TypeError):  # the renderer's RenderError is a ValueError
                 # Find the rows at fault: a recipient whose snapshot lacks a template variable fails
                 # (its snapshot will not change), the others go. Any other error (a missing or broken
@@ -882,12 +875,12 @@ class _Dispatcher:
                     except jinja2.UndefinedError as exc:
                         bad[r.id] = f"render failed (template {campaign.template!r}): {exc}"
                 rows = tuple(good)
-                batch = self.prepare(campaign, rows, attempts) if rows else None
+                batch = self.prepare(campaign, rows) if rows else None
             if bad:
                 self.conn.execute(query("send_log", "mark_failed"), self.who | {
                     "ids": list(bad), "msgs": list(bad.values())})
             if batch is not None:
-                self.store.save_batch(batch)
+                batch = self.store.save_batch(batch)
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
@@ -956,12 +949,12 @@ class _Dispatcher:
                 out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
         return out
 
-    def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary) -> Outcome:
+    def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary,
+             slot: float | None = None) -> Outcome:
         assert claim.batch is not None
         campaign = claim.campaign
-        outcome, applied, batch = send_chunk(self.store, provider,
-                                             partial(self.prepare, campaign, attempts=claim.attempts),
-                                             claim.batch, claim.rows, deadline, self.run)
+        outcome, applied, batch = send_chunk(self.store, provider, partial(self.prepare, campaign),
+                                             claim.batch, claim.rows, deadline, self.run, slot)
         summary.sent += applied.sent
         summary.failed += applied.failed
         summary.released += applied.released
@@ -988,9 +981,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     ``batch_size`` due rows of one campaign (``FOR UPDATE SKIP LOCKED``: concurrent dispatchers
     never share a row and never wait on each other), render them, store the batch, send it with
     ``provider.send_batch(batch, deadline)`` and apply the outcome by index with
-    ``PostgresStore.apply`` (a whole-request failure returns scheduled rows to ``pending`` with a
-    backoff of 2^attempts minutes, dead-lettered after ``MAILFLOW_MAX_ATTEMPTS``). Campaigns left
-    with nothing to send are completed at the end.
+    ``PostgresStore.apply`` (docs/model.md: a request proven not processed returns its rows to
+    ``pending`` without charging them and stops the run; rows of an ambiguous request keep their
+    key and bytes for the reconciler). Campaigns left with nothing to send are completed at the end.
 
     :param conn: psycopg 3 connection to the send log (each step is its own transaction).
     :param provider: ``send_batch(batch, deadline) -> Outcome`` (a ResendClient), on ``clock``'s
@@ -1012,6 +1005,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     t0 = clock.monotonic()
     deadline = t0 + budget_seconds
     fatal: list[str] = []
+    slot: float | None = None
     while True:
         remaining = deadline - clock.monotonic()
         if remaining <= 0:
@@ -1027,6 +1021,13 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
             clock.sleep(nap)
             summary.idle_seconds += nap
             continue
+        # The budget covers the wait for the request slot, checked BEFORE claiming: a claimed batch
+        # is always sent (its first attempt starts at the reserved slot).
+        if slot is None:
+            slot = reserve_slot(provider, deadline + send_grace_seconds, clock)
+        if slot is None:
+            summary.stopped = "time budget"
+            break
         suppressed, claim = d.claim()
         summary.suppressed += suppressed
         if claim is None:
@@ -1048,12 +1049,14 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         if claim.batch is None:
             continue
         summary.batches += 1
-        outcome = d.send(claim, provider, deadline + send_grace_seconds, summary)
-        if isinstance(outcome, NotSent | Unknown):
+        outcome = d.send(claim, provider, deadline + send_grace_seconds, summary, slot)
+        slot = None
+        if isinstance(outcome, NotSent | Unknown | Refused):
             if outcome.fatal:
                 fatal.append(f"{claim.campaign.name}: {outcome.reason}")
-            if outcome.stop_run:
-                summary.stopped = outcome.stop_run
+            if outcome.stop_run or isinstance(outcome, NotSent):
+                # a whole-request failure that will repeat stops the run at once (docs/model.md)
+                summary.stopped = outcome.stop_run or outcome.reason
                 break
     summary.completed = complete(conn, actor=_actor(run, "dispatcher"))
     summary.seconds = clock.monotonic() - t0

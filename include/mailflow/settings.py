@@ -28,11 +28,6 @@ def app_url() -> str:
     return os.environ.get("MAILFLOW_APP_URL", "https://app.example.com")
 
 
-def max_attempts() -> int:
-    """Whole-request failures of one email before it is dead-lettered (``MAILFLOW_MAX_ATTEMPTS``, 3)."""
-    return int(os.environ.get("MAILFLOW_MAX_ATTEMPTS", "3"))
-
-
 def stale_after_seconds() -> float:
     """A ``sending`` claim older than this is stale (``MAILFLOW_STALE_AFTER_SECONDS``, 900 = 15 min)."""
     return float(os.environ.get("MAILFLOW_STALE_AFTER_SECONDS", "900"))

@@ -6,6 +6,8 @@ current state and appends a ``mail.send_event`` row in the same statement.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,7 +17,6 @@ import psycopg
 from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
-from mailflow import settings
 from mailflow.campaigns import Campaign
 from mailflow.model import Accepted, MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext, Unknown
 from mailflow.policy import Contact, ContactPolicy, Hold, contacts_from_rows, evaluate, normalise_address
@@ -64,7 +65,7 @@ class Store(Protocol):
 
     def apply(self, batch: PreparedBatch, outcome: Outcome, run: RunContext) -> Applied: ...
 
-    def rebatch(self, batch: PreparedBatch) -> None: ...
+    def rebatch(self, batch: PreparedBatch) -> PreparedBatch: ...
 
 
 class PostgresStore:
@@ -99,7 +100,7 @@ class PostgresStore:
         ref = cooldown_since + campaign.cooldown  # the interval end
         out = {"campaign": campaign.name, "window_start": window[0], "window_end": window[1],
                "cooldown_since": cooldown_since, "cooldown_until": cooldown_since + 2 * campaign.cooldown,
-               "cooldown": campaign.cooldown, "exempt": campaign.exempt, "max_attempts": settings.max_attempts()}
+               "cooldown": campaign.cooldown, "exempt": campaign.exempt}
         for i, cap in enumerate(campaign.contact_policy.extra_caps()):
             out |= {f"cap_since_{i}": ref - cap.window, f"cap_until_{i}": ref + cap.window,
                     f"cap_window_{i}": cap.window, f"cap_emails_{i}": cap.emails}
@@ -181,33 +182,45 @@ class PostgresStore:
                 return MintResult(page_size=len(page), cursor=cursor, batch=None, invalid=len(decided) - duplicates,
                                   duplicates=duplicates, held=held)
             rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in minted)
-            batch = prepare(rows)
-            self._save_batch(batch)
+            batch = self._save_batch(prepare(rows))
         return MintResult(page_size=len(page), cursor=cursor, batch=batch, rows=rows,
                           invalid=len(decided) - duplicates, duplicates=duplicates, held=held)
 
-    def _save_batch(self, batch: PreparedBatch) -> None:
-        self.conn.execute(query("send_log", "save_batch"), {
-            "key": batch.idempotency_key, "campaign": batch.campaign,
-            "count": len(batch.row_ids), "body": batch.body})
-        self.conn.execute(query("send_log", "assign_batch"), {
+    def _save_batch(self, batch: PreparedBatch) -> PreparedBatch:
+        row = self.conn.execute(query("send_log", "save_batch"), {
+            "tag": key_tag(batch.campaign), "campaign": batch.campaign, "count": len(batch.row_ids),
+            "body": batch.body, "validation": batch.validation}).fetchone()
+        assert row is not None
+        batch = dataclasses.replace(batch, idempotency_key=str(row[0]))
+        assigned = self.conn.execute(query("send_log", "assign_batch"), {
             "key": batch.idempotency_key, "ids": list(batch.row_ids),
-            "idx": list(range(len(batch.row_ids)))})
+            "idx": list(range(len(batch.row_ids)))}).fetchall()
+        if len(assigned) != len(batch.row_ids):
+            raise RuntimeError(f"batch {batch.idempotency_key}: only {len(assigned)} of {len(batch.row_ids)} rows "
+                               "are claimable (not sending, or part of an ambiguous request)")
+        return batch
 
-    def save_batch(self, batch: PreparedBatch) -> None:
-        """Store a batch's exact request bytes and give its rows (``sending``) the batch's key and
-        request indices, inside the CALLER's transaction (the scheduled dispatcher claims, renders
-        and stores in one transaction, so a ``sending`` row always has bytes to resend).
+    def save_batch(self, batch: PreparedBatch) -> PreparedBatch:
+        """Store a batch's exact request bytes, assign its idempotency key (docs/model.md) and give
+        its rows (``sending``) that key and their request indices, inside the CALLER's transaction
+        (the scheduled dispatcher claims, renders and stores in one transaction, so a ``sending``
+        row always has bytes to resend).
 
-        :raises psycopg.errors.UniqueViolation: if the idempotency key is already stored.
+        :returns: ``batch`` with the assigned key (the renderer's key is provisional).
+        :raises RuntimeError: if a row is not ``sending`` or was part of an ambiguous request.
         """
-        self._save_batch(batch)
+        return self._save_batch(batch)
 
-    def rebatch(self, batch: PreparedBatch) -> None:
-        """Store a new batch for rows already ``sending`` (after a strict-mode refusal): the rows
-        take its key and indices, and its bytes become what any retry resends."""
+    def rebatch(self, batch: PreparedBatch) -> PreparedBatch:
+        """Store a new batch for rows already ``sending`` (after a strict-mode refusal, which proves
+        nothing was processed): the rows take its new key and indices, and its bytes become what any
+        retry resends. Rows that were part of an ambiguous request are never re-keyed.
+
+        :returns: ``batch`` with its assigned key.
+        :raises RuntimeError: (transaction rolled back) if a row cannot take the new key.
+        """
         with self.conn.transaction():
-            self._save_batch(batch)
+            return self._save_batch(batch)
 
     def apply(self, batch: PreparedBatch, outcome: Outcome, run: RunContext) -> Applied:
         """Apply a provider outcome to the batch's rows, by request index, in one transaction."""
@@ -227,18 +240,21 @@ class PostgresStore:
                         "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
                 return Applied(sent=sent, failed=failed)
             if isinstance(outcome, Refused):
-                idx = sorted(outcome.rejected)
-                failed = len(self.conn.execute(query("send_log", "mark_failed"), who | {
-                    "ids": [ids[i] for i in idx],
-                    "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
-                return Applied(failed=failed)
+                # Strict validation refused the whole request: nothing was processed and nothing
+                # changes here; the caller re-sends the chunk permissive under a new key.
+                return Applied()
             if isinstance(outcome, NotSent):
-                n = len(self.conn.execute(query("send_log", "release"), who | {
-                    "ids": ids, "reason": outcome.reason[:1000], "max_attempts": settings.max_attempts()}).fetchall())
-                return Applied(released=n)
+                # Proven not processed: released without charging anyone, except rows that were
+                # ever part of an ambiguous request (they keep their key: only a 2xx resolves them).
+                released = {r[0] for r in self.conn.execute(query("send_log", "release"), who | {
+                    "ids": ids, "reason": outcome.reason[:1000]}).fetchall()}
+                kept = [i for i in ids if i not in released]
+                n = len(self.conn.execute(query("send_log", "note_unknown"), who | {
+                    "ids": kept, "reason": outcome.reason[:1000], "ambiguous": False}).fetchall()) if kept else 0
+                return Applied(released=len(released), unknown=n)
             assert isinstance(outcome, Unknown)
             n = len(self.conn.execute(query("send_log", "note_unknown"), who | {
-                "ids": ids, "reason": outcome.reason[:1000]}).fetchall())
+                "ids": ids, "reason": outcome.reason[:1000], "ambiguous": True}).fetchall())
             return Applied(unknown=n)
 
     def preview(self, campaigns: Sequence[Campaign], interval: Any, renderer: Any, sample: int = 3) -> list[dict[str, Any]]:
@@ -329,6 +345,12 @@ def policy_hold(policy: ContactPolicy, contacts: dict[int, list[Contact]], user_
                 now: datetime) -> Hold | None:
     """:func:`mailflow.policy.evaluate` for one user of a :func:`load_contacts` result."""
     return evaluate(policy, contacts.get(int(user_id), ()), ref=ref, now=now)
+
+
+def key_tag(campaign: str) -> str:
+    """The campaign part of an idempotency key: ``[A-Za-z0-9_]`` only, at most 64 characters
+    (a key is 1-256 characters, Resend's idempotency page)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", campaign)[:64] or "_"
 
 
 def mask_email(address: str) -> str:

@@ -145,8 +145,8 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
 def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     """Repair stale claims, resend within the idempotency window, dead-letter and alert.
 
-    Params: ``stale_after_seconds`` (default MAILFLOW_STALE_AFTER_SECONDS or 900), ``max_attempts``
-    (default MAILFLOW_MAX_ATTEMPTS or 3), ``time_budget_seconds``.
+    Params: ``stale_after_seconds`` (default MAILFLOW_STALE_AFTER_SECONDS or 900),
+    ``time_budget_seconds``. (Whole-request failures never charge users, so there is no attempts cap.)
     """
     import time
     from datetime import timedelta
@@ -160,7 +160,6 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
     stale = float(params.get("stale_after_seconds") or settings.stale_after_seconds())
-    attempts = int(params.get("max_attempts") or settings.max_attempts())
     budget = budget_fits(context, float(params.get("time_budget_seconds", 600)))
     with send_log_connection() as conn:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
@@ -168,7 +167,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
         now = conn.execute("select now()").fetchone()[0]
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
-            summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale), max_attempts=attempts,
+            summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale),
                                 run=run, deadline=time.monotonic() + budget)
         finally:
             client.close()

@@ -100,14 +100,27 @@ def test_quota_exceeded_is_not_retried_and_stops(emulator) -> None:
     assert emulator.read_outbox() == []
 
 
-def test_5xx_retried_with_same_key_then_not_sent(emulator) -> None:
+def test_5xx_on_every_retry_with_same_key_is_unknown_never_not_sent(emulator) -> None:
     emulator.configure(error_rate=1.0)
     with client(emulator, attempts=3) as c:
         out = c.send_batch(one_batch(4), far())
-    assert isinstance(out, NotSent) and out.stop_run is None
+    assert isinstance(out, Unknown) and out.stop_run == "provider unavailable"
     assert out.reason.startswith("gave up after 3 attempts: HTTP 500 internal_server_error")
     assert emulator.stats()["status_5xx"] == 3
     assert emulator.read_outbox() == []
+
+
+def test_5xx_after_processing_then_retry_replays_the_original(emulator) -> None:
+    emulator.configure(error_after_rate=1.0, error_after_status=504)
+    batch = one_batch(3)
+    with client(emulator, attempts=1) as c:
+        assert isinstance(c.send_batch(batch, far()), Unknown)
+    emulator.configure(error_after_rate=0.0)
+    with client(emulator) as c:
+        again = c.send_batch(batch, far())
+    box = emulator.read_outbox()
+    assert isinstance(again, Accepted) and len(box) == 3
+    assert again.ids == {d["batch_index"]: d["id"] for d in box}
 
 
 def test_reset_after_accept_then_retry_replays_original(emulator) -> None:
@@ -161,7 +174,7 @@ def test_401_and_403_stop_naming_the_connection(emulator) -> None:
     assert c.stats["requests"] == 1
 
 
-def test_strict_mode_names_the_bad_index(emulator) -> None:
+def test_strict_mode_refusal_names_no_index_and_is_refused(emulator) -> None:
     import json
 
     batch = one_batch(4)
@@ -170,8 +183,8 @@ def test_strict_mode_names_the_bad_index(emulator) -> None:
     bad = type(batch)(batch.idempotency_key, batch.campaign, batch.row_ids, json.dumps(emails).encode())
     with client(emulator, validation="strict") as c:
         out = c.send_batch(bad, far())
-    assert isinstance(out, Refused)
-    assert list(out.rejected) == [2]
+    assert out == Refused(reason="HTTP 422 validation_error: Invalid `to` field. The email address needs to follow "
+                                 "the `email@example.com` or `Name <email@example.com>` format.")
     assert emulator.read_outbox() == []
 
 

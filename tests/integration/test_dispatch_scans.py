@@ -38,23 +38,3 @@ def test_suppressed_rows_beyond_the_head_are_never_claimed_and_cancelled_when_th
     assert db.execute("select status, count(*) from mail.send_log group by 1 order by 1").fetchall() == [
         ("cancelled", 3), ("sent", 1497)]
     assert db.execute("select count(*) from mail.send_event where to_status = 'cancelled'").fetchone() == (3,)
-
-
-def test_dead_letter_sweep_finds_pairs_released_in_the_last_day_once(db) -> None:
-    def released(user: int, campaign: str, ago: str, times: int) -> None:
-        db.execute("insert into mail.send_log (user_id, campaign, email, status, released_at, attempts, error)"
-                   " select %s, %s, 'x@example.com', 'failed', now() - %s::interval - k * interval '1 minute', 1, 'HTTP 422'"
-                   " from generate_series(1, %s) k", (user, campaign, ago, times))
-
-    released(1, "first_practice", "1 hour", 3)   # exhausted now: dead-lettered
-    released(2, "first_practice", "1 hour", 2)   # two failures: not yet
-    released(3, "upgrade_offer", "3 days", 3)    # exhausted long ago, outside the sweep's day
-    released(4, "upgrade_offer", "3 days", 2)
-    released(4, "upgrade_offer", "5 minutes", 1)  # its third failure just now: dead-lettered
-    out = db.execute(query("repair", "dead_letter_exhausted"), WHO | {"max_attempts": 3}).fetchall()
-    assert sorted((r[1], r[2]) for r in out) == [(1, "first_practice"), (4, "upgrade_offer")]
-    newest = db.execute("select user_id, max(id) from mail.send_log where user_id in (1, 4) group by 1 order by 1").fetchall()
-    assert sorted(r[0] for r in out) == sorted(i for _, i in newest)
-    assert db.execute(query("repair", "dead_letter_exhausted"), WHO | {"max_attempts": 3}).fetchall() == []  # once
-    plan = db.execute("explain " + query("repair", "dead_letter_exhausted"), WHO | {"max_attempts": 3}).fetchall()
-    assert any("send_log_released_at_idx" in r[0] for r in plan)

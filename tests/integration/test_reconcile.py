@@ -127,24 +127,6 @@ def test_stale_row_with_provider_id_becomes_sent(rig: Rig) -> None:
     assert rig.events(row["id"]) == [("sending", "sent")]
 
 
-def test_attempts_exhausted_dead_letter_once_and_audience_stops(rig: Rig) -> None:
-    add_user(rig.db, 1)
-    c = simple_campaign("c1", 1)
-    rig.emulator.configure(error_rate=1.0)
-    for _ in range(3):
-        [s] = rig.run([c])
-        assert (s.minted, s.released) == (1, 1)
-    [s] = rig.run([c])
-    assert (s.eligible, s.minted) == (0, 0)  # 3 whole-request failures: no longer selected
-    rep = repair(rig, max_attempts=3)
-    assert rep.dead_lettered_exhausted == 1
-    [d] = rep.dead_letters
-    assert d["campaign"] == "c1" and d["email"] == "u***@example.com"
-    rows = rig.rows()
-    assert [r["dead_lettered_at"] is not None for r in rows] == [False, False, True]
-    assert repair(rig, max_attempts=3).changed() == 0
-
-
 def test_resume_after_stop_sends_exactly_the_rest(rig: Rig) -> None:
     for uid in range(1, 1001):
         add_user(rig.db, uid)
@@ -156,8 +138,8 @@ def test_resume_after_stop_sends_exactly_the_rest(rig: Rig) -> None:
         def __init__(self, inner, clock):
             self.inner, self.clock, self.sent = inner, clock, 0
 
-        def send_batch(self, batch, deadline):
-            out = self.inner.send_batch(batch, float("inf"))
+        def send_batch(self, batch, deadline, slot=None):
+            out = self.inner.send_batch(batch, float("inf"), slot)
             self.sent += len(batch.row_ids)
             if self.sent >= 250:
                 self.clock.advance(10_000)

@@ -106,7 +106,7 @@ def test_errors_as_the_sdk_sees_them(sdk_run) -> None:
     out, _, _ = sdk_run
     assert {k: out["conflict"][k] for k in ("code", "type")} == {"code": 409, "type": "invalid_idempotent_request"}
     assert out["strict"] == {"code": 422, "type": "validation_error", "class": "ValidationError",
-                             "message": "emails[2]: Invalid `to` field. The email address needs to follow the "
+                             "message": "Invalid `to` field. The email address needs to follow the "
                              "`email@example.com` or `Name <email@example.com>` format."}
     assert out["bad_key"] == {"code": 403, "type": "invalid_api_key", "class": "InvalidApiKeyError",
                               "message": "API key is invalid"}

@@ -30,6 +30,7 @@ from mailflow.planner import PlanSpec, plan_send_times
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.render import Renderer
+from mailflow.repair import reconcile
 from mailflow.scheduled import CampaignStateError, DispatchSummary
 from mailflow.unsubscribe import signer_from_secret
 
@@ -466,29 +467,47 @@ def test_suppressed_users_and_addresses_are_cancelled_at_dispatch(rig: Rig) -> N
         "user1@example.com", "user3@example.com", "user5@example.com"]
 
 
-def test_a_whole_request_5xx_returns_rows_to_pending_with_backoff_then_dead_letters(rig: Rig) -> None:
+def test_scheduled_5xx_after_processing_keeps_key_and_bytes_and_never_returns_to_pending(rig: Rig) -> None:
+    # Before issue 12 a whole-request 5xx returned the rows to `pending` without their key; the next
+    # claim sent them again under a new key although the provider had processed them: mailed twice.
     provisioned(rig, 2)
-    rig.emulator.configure(error_rate=1.0)
-
-    for attempt in (1, 2, 3):
-        before = rig.db.execute("select now()").fetchone()[0]  # type: ignore[index]
-        summary = rig.dispatch()
-        assert (summary.claimed, summary.released, summary.sent) == (2, 2, 0)
-        rows = rig.rows()
-        assert {r["attempts"] for r in rows} == {attempt}
-        if attempt < 3:
-            assert {r["status"] for r in rows} == {"pending"}
-            assert all(r["scheduled_at"] >= before + timedelta(minutes=2 ** attempt) for r in rows)
-            assert all(r["idempotency_key"] is None and "HTTP 500" in r["error"] for r in rows)
-            rig.db.execute("update mail.send_log set scheduled_at = now() - interval '1 second'")
+    rig.emulator.configure(error_after_rate=1.0, error_after_status=502)
+    summary = rig.dispatch(client=rig.client(policy=RetryPolicy(max_attempts=1)))  # the sender's budget ends
+    assert (summary.claimed, summary.sent, summary.released, summary.unknown) == (2, 0, 0, 2)
+    assert summary.stopped == "provider unavailable"
     rows = rig.rows()
-    assert {r["status"] for r in rows} == {"failed"}
-    assert all(r["dead_lettered_at"] is not None and r["released_at"] is None for r in rows)
-    assert rig.events(rows[0]["id"]) == [(None, "pending")] + [("pending", "sending"), ("sending", "pending")] * 2 + [
-        ("pending", "sending"), ("sending", "failed")]
-    keys = rig.db.execute("select count(distinct idempotency_key) from mail.send_batch").fetchone()
-    assert keys == (3,)  # every attempt its own key: a released row never reuses one
-    assert rig.emulator.read_outbox() == []
+    [key] = {r["idempotency_key"] for r in rows}
+    assert key is not None and all(r["status"] == "sending" and r["ambiguous_at"] is not None for r in rows)
+    assert all("HTTP 502 bad_gateway" in r["error"] for r in rows)
+    assert len(rig.emulator.read_outbox()) == 2  # the provider did process the batch
+
+    rig.emulator.configure(error_after_rate=0.0)
+    again = rig.dispatch(budget_seconds=2)
+    assert (again.claimed, again.sent) == (0, 0)  # never claimed again, never re-keyed
+    rig.db.execute("update mail.send_log set claimed_at = claimed_at - interval '1 hour'")
+    rep = reconcile(rig.conn(), rig.client(), now=rig.db.execute("select now()").fetchone()[0],  # type: ignore[index]
+                    run=RUN)
+    assert (rep.batches_resent, rep.resent_sent) == (1, 2)
+    rows = rig.rows()
+    assert {(r["status"], r["idempotency_key"]) for r in rows} == {("sent", key)}
+    assert rig.outbox_ids() == Counter({r["id"]: 1 for r in rows})  # each delivered exactly once
+    assert rig.emulator.stats()["replays"] == 1
+
+
+def test_scheduled_quota_stop_returns_rows_to_pending_uncharged_and_stops_the_run(rig: Rig) -> None:
+    provisioned(rig, 3)
+    rig.emulator.configure(quota_emails=0)
+    for _ in range(3):  # three quota stops charge nobody
+        with pytest.raises(SendError, match="daily_quota_exceeded"):
+            rig.dispatch(batch_size=1)
+        rows = rig.rows()
+        assert {(r["status"], r["attempts"], r["idempotency_key"], r["dead_lettered_at"]) for r in rows} == {
+            ("pending", 0, None, None)}
+    assert rig.emulator.stats()["requests"] == 3  # one request per run: the run stops at once
+    rig.emulator.configure(quota_emails=None)
+    summary = rig.dispatch()
+    assert summary.sent == 3
+    assert rig.outbox_ids() == Counter({r["id"]: 1 for r in rig.rows()})
 
 
 def test_dispatch_waits_for_a_row_due_inside_its_budget_and_leaves_later_ones(rig: Rig) -> None:

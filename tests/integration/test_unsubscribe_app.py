@@ -272,7 +272,7 @@ def _run(db_dsn: str, campaigns: list[Campaign], *, db: psycopg.Connection) -> s
     from mailflow.model import Accepted, PreparedBatch
 
     class AcceptAll:
-        def send_batch(self, batch: PreparedBatch, deadline: float) -> Accepted:
+        def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Accepted:
             return Accepted(ids={i: f"fake-{rid}" for i, rid in enumerate(batch.row_ids)}, rejected={})
 
     with psycopg.connect(db_dsn) as conn:

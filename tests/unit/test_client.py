@@ -3,6 +3,7 @@ LocalPacer on a FakeClock and a seeded random.Random: retries, waits, idempotenc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Callable
@@ -182,7 +183,7 @@ def test_daily_quota_exceeded_stops_the_run_after_one_request() -> None:
     out = rig.send()
     assert out == NotSent(reason="provider quota exhausted: HTTP 429 daily_quota_exceeded: "
                                  "You have reached your daily email sending quota",
-                          stop_run="daily_quota_exceeded")
+                          stop_run="daily_quota_exceeded", fatal=True)
     assert len(rig.requests) == 1
     assert rig.clock.sleeps == [0.0]
 
@@ -190,16 +191,21 @@ def test_daily_quota_exceeded_stops_the_run_after_one_request() -> None:
 def test_monthly_quota_exceeded_stops_the_run_too() -> None:
     rig = Rig(err(429, "monthly_quota_exceeded", "quota"))
     out = rig.send()
-    assert isinstance(out, NotSent) and out.stop_run == "monthly_quota_exceeded" and not out.fatal
+    assert isinstance(out, NotSent) and out.stop_run == "monthly_quota_exceeded" and out.fatal
     assert len(rig.requests) == 1
 
 
-# -- 5xx, timeouts, transport errors -------------------------------------------------------------
+# -- 5xx, timeouts, transport errors: ambiguous ----------------------------------------------------
 
-def test_5xx_on_every_attempt_is_not_sent() -> None:
-    rig = Rig(*[err(500, "internal_server_error", "boom") for _ in range(3)], max_attempts=3)
+@pytest.mark.parametrize("status,name", [(500, "internal_server_error"), (502, "bad_gateway"),
+                                         (503, "service_unavailable"), (504, "gateway_timeout")])
+def test_5xx_after_processing_is_unknown_never_not_sent(status: int, name: str) -> None:
+    # Resend: a 5xx says nothing about whether the batch was processed (an edge 502/504 can follow
+    # processing). Before issue 12 this was NotSent, and the rows were released and sent again.
+    rig = Rig(*[err(status, name, "boom") for _ in range(3)], max_attempts=3)
     out = rig.send()
-    assert out == NotSent(reason="gave up after 3 attempts: HTTP 500 internal_server_error: boom")
+    assert out == Unknown(reason=f"gave up after 3 attempts: HTTP {status} {name}: boom; "
+                                 "an earlier attempt may have been processed", stop_run="provider unavailable")
     assert len(rig.requests) == 3
     assert_same_request(rig.requests, rig.script.bodies)
     b1, b2 = backoffs(1, 2)
@@ -209,12 +215,18 @@ def test_5xx_on_every_attempt_is_not_sent() -> None:
     assert rig.client.stats["5xx"] == 3 and rig.client.stats["requests"] == 3
 
 
+def test_a_5xx_then_a_429_is_still_unknown() -> None:
+    rig = Rig(err(500, "internal_server_error", "boom"), err(429, "daily_quota_exceeded", "quota"))
+    out = rig.send()
+    assert isinstance(out, Unknown) and out.stop_run == "daily_quota_exceeded" and out.fatal
+
+
 def test_read_timeout_then_500s_is_unknown() -> None:
     rig = Rig(httpx.ReadTimeout("timed out"), err(500, "internal_server_error", "boom"),
               err(502, "bad_gateway", "upstream"), max_attempts=3)
     out = rig.send()
     assert out == Unknown(reason="gave up after 3 attempts: HTTP 502 bad_gateway: upstream; "
-                                 "an earlier attempt may have been accepted")
+                                 "an earlier attempt may have been processed", stop_run="provider unavailable")
     assert len(rig.requests) == 3
     assert_same_request(rig.requests, rig.script.bodies)
     assert rig.client.stats["timeouts"] == 1 and rig.client.stats["5xx"] == 2
@@ -234,13 +246,14 @@ def test_remote_protocol_error_after_writing_is_ambiguous() -> None:
     rig = Rig(httpx.RemoteProtocolError("peer closed connection"), httpx.ConnectError("refused"), max_attempts=2)
     out = rig.send()
     assert out == Unknown(reason="gave up after 2 attempts: connection failed: refused; "
-                                 "an earlier attempt may have been accepted")
+                                 "an earlier attempt may have been processed", stop_run="provider unavailable")
 
 
-def test_connect_errors_only_are_not_sent() -> None:
+def test_connect_errors_only_are_not_sent_and_stop_the_run() -> None:
     rig = Rig(*[httpx.ConnectError("connection refused") for _ in range(4)], max_attempts=4)
     out = rig.send()
-    assert out == NotSent(reason="gave up after 4 attempts: connection failed: connection refused")
+    assert out == NotSent(reason="gave up after 4 attempts: connection failed: connection refused",
+                          stop_run="provider unreachable")
     assert len(rig.requests) == 4
     assert rig.client.stats["timeouts"] == 0
 
@@ -254,16 +267,32 @@ def test_connect_and_pool_timeouts_are_not_ambiguous(exc: Exception) -> None:
     assert rig.client.stats["timeouts"] == 2
 
 
-def test_backoff_past_the_deadline_stops_with_time_budget() -> None:
+def test_backoff_past_the_deadline_after_a_5xx_is_unknown_with_time_budget() -> None:
     rig = Rig(err(503, "service_unavailable", "down"), max_attempts=5)
     [b1] = backoffs(1)
     out = rig.send(deadline=b1 / 2)
-    assert out == NotSent(reason="time budget reached while retrying (HTTP 503 service_unavailable: down)",
-                          stop_run="time budget")
+    assert out == Unknown(reason="time budget reached while retrying (HTTP 503 service_unavailable: down); "
+                                 "an earlier attempt may have been processed", stop_run="time budget")
     assert rig.clock.sleeps == [0.0]
 
 
-# -- 4xx -----------------------------------------------------------------------------------------
+def test_a_reserved_slot_is_used_for_the_first_attempt_even_past_the_deadline() -> None:
+    rig = Rig(httpx.Response(200, json=OK))
+    slot = rig.client.reserve_slot(deadline=10.0)
+    assert slot == 0.0
+    rig.clock.advance(20.0)  # minting took longer than the budget: the minted chunk is still sent
+    out = rig.client.send_batch(BATCH, 10.0, slot)
+    assert isinstance(out, Accepted) and len(rig.requests) == 1
+
+
+def test_reserve_slot_past_the_deadline_is_none() -> None:
+    rig = Rig(rps=0.1)  # slots 12.5 s apart
+    assert rig.client.reserve_slot(deadline=5.0) == 0.0
+    assert rig.client.reserve_slot(deadline=5.0) is None
+    assert rig.requests == []
+
+
+# -- 4xx: proven not processed ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("status,name,message,kind,fix", [
     (401, "missing_api_key", "Missing API key", "missing API key", "set the password of connection 'resend_prod'"),
@@ -291,7 +320,7 @@ def test_invalid_idempotent_request_is_unknown_and_fatal() -> None:
     out = rig.send()
     assert out == Unknown(reason="idempotency conflict, not resent under a new key: HTTP 409 "
                                  "invalid_idempotent_request: Same idempotency key used with a different "
-                                 "request payload.", fatal=True)
+                                 "request payload.", stop_run="idempotency conflict", fatal=True)
     assert len(rig.requests) == 1
 
 
@@ -309,38 +338,51 @@ def test_concurrent_idempotent_request_on_every_attempt_is_unknown() -> None:
     rig = Rig(*[err(409, "concurrent_idempotent_requests", "in progress") for _ in range(2)], max_attempts=2)
     out = rig.send()
     assert out == Unknown(reason="gave up after 2 attempts: HTTP 409 concurrent_idempotent_requests: in progress; "
-                                 "an earlier attempt may have been accepted")
+                                 "an earlier attempt may have been processed", stop_run="provider unavailable")
 
 
-def test_other_4xx_is_not_sent_without_retry() -> None:
-    rig = Rig(err(422, "validation_error", "The batch must contain between 1 and 100 emails, got 0."))
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_a_refused_whole_body_is_not_sent_stops_the_run_and_alerts(status: int) -> None:
+    rig = Rig(err(status, "validation_error", "The batch must contain between 1 and 100 emails, got 0."))
     out = rig.send()
-    assert out == NotSent(reason="request refused: HTTP 422 validation_error: "
-                                 "The batch must contain between 1 and 100 emails, got 0.")
+    assert out == NotSent(reason=f"provider refused the whole request: HTTP {status} validation_error: "
+                                 "The batch must contain between 1 and 100 emails, got 0.",
+                          stop_run="request refused", fatal=True)
     assert len(rig.requests) == 1
 
 
-STRICT_MSG = "emails[1]: Invalid `to` field. The email address needs to follow the `email@example.com` format."
+STRICT_MSG = "Invalid `to` field. The email address needs to follow the `email@example.com` format."
 
 
-def test_a_strict_mode_422_naming_an_email_is_refused_for_that_index_only() -> None:
+def test_strict_refusal_without_index_is_refused_never_parsed() -> None:
+    # Resend's strict error is prose naming no email: the client never attributes it to an index.
+    rig = Rig(err(422, "validation_error", "emails[1]: " + STRICT_MSG))
+    rig.client.validation = "strict"
+    out = rig.send()
+    assert out == Refused(reason=f"HTTP 422 validation_error: emails[1]: {STRICT_MSG}")
+    assert len(rig.requests) == 1 and rig.clock.sleeps == [0.0]
+    assert rig.requests[0].headers["x-batch-validation"] == "strict"
+
+
+def test_a_batch_validation_mode_overrides_the_clients() -> None:
+    rig = Rig(httpx.Response(200, json=OK))
+    rig.client.validation = "strict"
+    rig.send(batch=dataclasses.replace(BATCH, validation="permissive"))
+    assert rig.requests[0].headers["x-batch-validation"] == "permissive"
+
+
+def test_a_422_in_permissive_mode_is_a_refused_body_not_a_strict_refusal() -> None:
     rig = Rig(err(422, "validation_error", STRICT_MSG))
     out = rig.send()
-    assert out == Refused(rejected={1: STRICT_MSG}, reason=f"HTTP 422 validation_error: {STRICT_MSG}")
-    assert len(rig.requests) == 1 and rig.clock.sleeps == [0.0]
+    assert isinstance(out, NotSent) and out.stop_run == "request refused"
 
 
-def test_a_422_naming_an_index_outside_the_batch_is_not_sent() -> None:
-    message = "emails[3]: Invalid `to` field."
-    rig = Rig(err(422, "validation_error", message))
-    assert rig.send() == NotSent(reason=f"request refused: HTTP 422 validation_error: {message}")
-
-
-def test_a_422_naming_an_email_after_an_ambiguous_attempt_is_unknown() -> None:
+def test_a_strict_422_after_an_ambiguous_attempt_is_unknown() -> None:
     rig = Rig(httpx.ReadTimeout("timed out"), err(422, "validation_error", STRICT_MSG))
+    rig.client.validation = "strict"
     out = rig.send()
-    assert out == Unknown(reason=f"request refused: HTTP 422 validation_error: {STRICT_MSG}; "
-                                 "an earlier attempt may have been accepted")
+    assert out == Unknown(reason=f"provider refused the whole request: HTTP 422 validation_error: {STRICT_MSG}; "
+                                 "an earlier attempt may have been processed", stop_run="request refused", fatal=True)
     assert len(rig.requests) == 2
 
 

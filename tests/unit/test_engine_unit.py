@@ -92,8 +92,10 @@ class FakeStore:
             rows.append(MintedRow(id=rid, user_id=u, email=f"user{u}@example.com"))
         return MintResult(page_size=len(page), cursor=max(page), batch=prepare(rows), rows=tuple(rows))
 
-    def rebatch(self, batch: PreparedBatch) -> None:
+    def rebatch(self, batch: PreparedBatch) -> PreparedBatch:
+        batch = dataclasses.replace(batch, idempotency_key=f"{batch.idempotency_key}-re{len(self.rebatched) + 1}")
         self.rebatched.append(batch)
+        return batch
 
     def apply(self, batch: PreparedBatch, outcome: Outcome, run: RunContext) -> Applied:
         self.applied.append((batch, outcome))
@@ -105,9 +107,7 @@ class FakeStore:
                 self.rows[ids[i]].update(status="failed", error=msg)
             return Applied(sent=len(outcome.ids), failed=len(outcome.rejected))
         if isinstance(outcome, Refused):
-            for i, msg in outcome.rejected.items():
-                self.rows[ids[i]].update(status="failed", error=msg)
-            return Applied(failed=len(outcome.rejected))
+            return Applied()
         if isinstance(outcome, NotSent):
             for rid in ids:
                 self.rows[rid].update(status="failed", released=True, error=outcome.reason)
@@ -143,17 +143,28 @@ class FakeProvider:
     """``send_batch`` answers from ``script`` (a callable or a list of callables, one per batch; the
     last one repeats) and advances ``clock`` by ``seconds_per_batch``."""
 
-    def __init__(self, clock: FakeClock, script: Any = accept_all, seconds_per_batch: float = 0.0):
+    def __init__(self, clock: FakeClock, script: Any = accept_all, seconds_per_batch: float = 0.0,
+                 slot_waits: Sequence[float] = (0.0,)):
         self.clock = clock
         self.script = script if isinstance(script, list) else [script]
         self.seconds_per_batch = seconds_per_batch
+        self.slot_waits = list(slot_waits)  # wait of each reserved slot (the last one repeats)
+        self.reservations: list[float | None] = []
         self.batches: list[PreparedBatch] = []
         self.deadlines: list[float] = []
+        self.slots: list[float | None] = []
 
-    def send_batch(self, batch: PreparedBatch, deadline: float) -> Outcome:
+    def reserve_slot(self, deadline: float) -> float | None:
+        wait = self.slot_waits[min(len(self.reservations), len(self.slot_waits) - 1)]
+        start = self.clock.monotonic() + wait
+        self.reservations.append(None if start > deadline else start)
+        return self.reservations[-1]
+
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Outcome:
         n = len(self.batches)
         self.batches.append(batch)
         self.deadlines.append(deadline)
+        self.slots.append(slot)
         self.clock.advance(self.seconds_per_batch)
         answer = self.script[min(n, len(self.script) - 1)]
         return answer(batch)
@@ -285,18 +296,50 @@ def test_campaigns_passed_unsorted_run_by_priority_and_exclude_later_ones() -> N
 
 # -- outcomes ------------------------------------------------------------------------------------
 
-def test_not_sent_rolls_back_the_chunk_and_continues_with_the_next_page() -> None:
+def test_not_sent_rolls_back_the_chunk_and_stops_the_run_without_marching_on() -> None:
+    # A request proven not processed (here a refused body) will be refused again: the run stops at
+    # once instead of releasing chunk after chunk; the released users are eligible next run.
     clock = FakeClock()
     store = FakeStore({"a": range(1, 251)})
-    not_sent = lambda b: NotSent(reason="gave up after 5 attempts: HTTP 500")  # noqa: E731
+    not_sent = lambda b: NotSent(reason="provider refused the whole request: HTTP 422")  # noqa: E731
     provider = FakeProvider(clock, script=[accept_all, not_sent, accept_all])
     [s] = run(store, provider, [campaign("a", 1)], clock, chunk_size=100)
-    assert provider.sizes() == [100, 100, 50]
-    assert s.as_dict() == {"campaign": "a", "eligible": 250, "minted": 250, "sent": 150, "failed": 0,
-                           "released": 100, "unknown": 0, "skipped": 0, "chunks": 3, "stopped": None, "invalid": 0, "duplicates": 0, "held": 0}
-    assert store.status_counts("a") == {"sent": 150, "released": 100}
+    assert provider.sizes() == [100, 100]
+    assert s.as_dict() == {"campaign": "a", "eligible": 250, "minted": 200, "sent": 100, "failed": 0,
+                           "released": 100, "unknown": 0, "skipped": 50, "chunks": 2,
+                           "stopped": "provider refused the whole request: HTTP 422",
+                           "invalid": 0, "duplicates": 0, "held": 0}
+    assert store.status_counts("a") == {"sent": 100, "released": 100}
     released_users = sorted(r["user_id"] for r in store.rows.values() if r["released"])
     assert released_users == list(range(101, 201))
+    # the next healthy run sends every still-eligible user exactly once
+    provider2 = FakeProvider(clock)
+    [s2] = run(store, provider2, [campaign("a", 1)], clock, chunk_size=100)
+    assert (s2.eligible, s2.sent) == (150, 150)
+    sent_users = sorted(r["user_id"] for r in store.rows.values() if r["status"] == "sent")
+    assert sent_users == list(range(1, 251))
+
+
+def test_budget_is_checked_before_minting_including_the_wait_for_the_slot() -> None:
+    # The second chunk's slot starts at t=100, after the 70 s budget: it is never minted (before,
+    # the chunk was minted and then abandoned by the client, released or left behind).
+    clock = FakeClock()
+    store = FakeStore({"a": range(1, 251)})
+    provider = FakeProvider(clock, slot_waits=[0.0, 100.0])
+    [s] = run(store, provider, [campaign("a", 1)], clock, chunk_size=100, budget_seconds=70.0)
+    assert provider.reservations == [0.0, None]
+    assert provider.sizes() == [100]
+    assert len(store.mints) == 1 and len(store.rows) == 100
+    assert (s.minted, s.sent, s.released, s.skipped, s.stopped) == (100, 100, 0, 150, "time budget")
+
+
+def test_a_minted_chunk_is_sent_at_the_slot_reserved_before_minting() -> None:
+    clock = FakeClock()
+    store = FakeStore({"a": range(1, 31)})
+    provider = FakeProvider(clock, slot_waits=[5.0])
+    run(store, provider, [campaign("a", 1)], clock, chunk_size=10, budget_seconds=100.0)
+    assert provider.sizes() == [10, 10, 10]
+    assert provider.slots == provider.reservations[:3] == [5.0, 5.0, 5.0]  # the FakeClock never moves
 
 
 def test_unknown_outcome_without_stop_continues_and_counts_unknown() -> None:
@@ -408,34 +451,37 @@ def test_an_empty_audience_sends_nothing() -> None:
 
 # -- strict-mode refusal -------------------------------------------------------------------------
 
-def test_a_strict_refusal_fails_the_named_email_and_resends_the_rest_as_a_new_batch() -> None:
+def test_strict_refusal_without_index_resends_the_whole_chunk_permissive_under_a_new_key() -> None:
+    # Resend's strict error names no index: nothing is parsed from the prose. The whole chunk goes
+    # again in permissive mode under a new key; the permissive answer names the refused email.
     clock = FakeClock()
     store = FakeStore({"a": range(1, 6)})
-    refuse_index_2 = lambda b: Refused(rejected={2: "emails[2]: Invalid `to` field."},  # noqa: E731
-                                       reason="HTTP 422 validation_error: emails[2]: Invalid `to` field.")
-    provider = FakeProvider(clock, script=[refuse_index_2, accept_all])
+    refused = lambda b: Refused(reason="HTTP 422 validation_error: Invalid `to` field.")  # noqa: E731
+    reject_2 = lambda b: Accepted(ids={i: f"p-{b.row_ids[i]}" for i in (0, 1, 3, 4)},  # noqa: E731
+                                  rejected={2: "Invalid `to` field."})
+    provider = FakeProvider(clock, script=[refused, reject_2])
     [s] = run(store, provider, [campaign("a", 1)], clock)
     first, second = provider.batches
-    assert first.row_ids == (1, 2, 3, 4, 5)
-    assert second.row_ids == (1, 2, 4, 5)  # the refused row is out, the order kept
-    assert second.idempotency_key == idempotency_key("a", (1, 2, 4, 5)) != first.idempotency_key
+    assert first.row_ids == second.row_ids == (1, 2, 3, 4, 5)  # the whole chunk, the order kept
+    assert (first.validation, second.validation) == (None, "permissive")
+    assert second.idempotency_key != first.idempotency_key
     assert store.rebatched == [second]
     assert s.as_dict() == {"campaign": "a", "eligible": 5, "minted": 5, "sent": 4, "failed": 1, "released": 0,
                            "unknown": 0, "skipped": 0, "chunks": 1, "stopped": None, "invalid": 0, "duplicates": 0, "held": 0}
     assert {r["user_id"]: (r["status"], r["pid"], r["error"]) for r in store.rows.values()} == {
-        1: ("sent", "p-1", None), 2: ("sent", "p-2", None), 3: ("failed", None, "emails[2]: Invalid `to` field."),
+        1: ("sent", "p-1", None), 2: ("sent", "p-2", None), 3: ("failed", None, "Invalid `to` field."),
         4: ("sent", "p-4", None), 5: ("sent", "p-5", None)}
 
 
-def test_refusals_until_every_email_failed_stop_resending_and_raise() -> None:
+def test_a_strict_refusal_whose_permissive_resend_rejects_every_email_raises_after_recording() -> None:
     clock = FakeClock()
     store = FakeStore({"a": [1, 2]})
-    refuse_first = lambda b: Refused(rejected={0: "emails[0]: bad"}, reason="HTTP 422")  # noqa: E731
-    provider = FakeProvider(clock, script=refuse_first)
+    refused = lambda b: Refused(reason="HTTP 422")  # noqa: E731
+    reject_all = lambda b: Accepted(ids={}, rejected={0: "bad", 1: "bad"})  # noqa: E731
+    provider = FakeProvider(clock, script=[refused, reject_all])
     with pytest.raises(SendError, match=r"^a: every one of 2 emails was rejected by the provider$") as err:
         run(store, provider, [campaign("a", 1)], clock)
-    assert [b.row_ids for b in provider.batches] == [(1, 2), (2,)]
-    assert [b.row_ids for b in store.rebatched] == [(2,)]
+    assert [b.row_ids for b in provider.batches] == [(1, 2), (1, 2)]
     assert [(x.minted, x.failed, x.chunks) for x in err.value.summaries] == [(2, 2, 1)]
 
 

@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "default re_test_emulator")
     p.add_argument("--rate-limit", type=float, default=10.0, help="requests/s per key, 0 = off")
     p.add_argument("--quota-emails", type=int, default=None)
-    p.add_argument("--error-rate", type=float, default=0.0)
+    p.add_argument("--error-rate", type=float, default=0.0, help="5xx before processing")
+    p.add_argument("--error-after-rate", type=float, default=0.0, help="processed, then answered 5xx")
+    p.add_argument("--error-after-status", type=int, choices=(500, 502, 503, 504), default=502)
+    p.add_argument("--outage", action="store_true", help="every API request answered 503")
     p.add_argument("--latency-ms", type=float, default=0.0)
     p.add_argument("--latency-jitter-ms", type=float, default=0.0)
     p.add_argument("--timeout-rate", type=float, default=0.0)
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         reset_mode=args.reset_mode, strict_only=args.strict_only, scramble_order=args.scramble_order,
         bounce=tuple(args.bounce), complain=tuple(args.complain), suppress=tuple(args.suppress),
         fail=tuple(args.fail),
+        error_after_rate=args.error_after_rate, error_after_status=args.error_after_status, outage=args.outage,
         retry_after_style=args.retry_after_style, store_bodies=args.store_bodies, domain=args.domain,
         seed=args.seed, idempotency_store=args.idempotency_store,
         restricted_keys=tuple(args.restricted_keys), check_from_domain=args.check_from_domain,

@@ -56,9 +56,15 @@ class EmulatorConfig:
     outbox: str | None = None  # JSON-lines file, one line per accepted email (None: no file)
     api_keys: tuple[str, ...] = ("re_test_emulator",)
     control: bool = True  # register the unauthenticated /_emulator/* control API
-    rate_limit: float = 10.0  # (runtime) requests per second per API key, sliding 1 s window; 0 = off
-    quota_emails: int | None = None  # (runtime) accepted emails before 429 daily_quota_exceeded
+    rate_limit: float = 10.0  # (runtime) requests per second per TEAM (shared by every API key; Resend's
+    #   pages have said 2, 5 and 10), sliding 1 s window; 0 = off
+    quota_emails: int | None = None  # (runtime) accepted emails per UTC day (emulator clock) before 429
+    #   daily_quota_exceeded; the count starts again at the next UTC midnight
     error_rate: float = 0.0  # (runtime) POSTs answered 500 internal_server_error before processing
+    error_after_rate: float = 0.0  # (runtime) sends processed (outbox written, key recorded), then
+    #   answered with error_after_status: an edge 5xx after the origin accepted the batch
+    error_after_status: int = 502  # (runtime) 500, 502, 503 or 504
+    outage: bool = False  # (runtime) every API request answered 503 before processing (a long outage)
     latency_ms: float = 0.0  # (runtime) added to every API request
     latency_jitter_ms: float = 0.0  # (runtime) uniform extra 0..jitter
     timeout_rate: float = 0.0  # (runtime) requests that hang hang_seconds, then 500, nothing sent
@@ -107,8 +113,10 @@ _RUNTIME = {
     "hang_seconds", "reset_after_accept_rate", "reset_mode", "strict_only", "scramble_order",
     "bounce", "complain", "retry_after_style", "store_bodies", "seed",
     "restricted_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
+    "error_after_rate", "error_after_status", "outage",
 }
-_CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date")}
+_CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date"),
+            "error_after_status": (500, 502, 503, 504)}
 
 
 def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig:
@@ -125,7 +133,8 @@ def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig
         elif key == "owner_email":
             if not isinstance(value, str) or _check_address(value) is None:
                 raise ValueError("owner_email must be an email address")
-        elif key in ("strict_only", "scramble_order", "store_bodies", "check_from_domain", "test_only"):
+        elif key in ("strict_only", "scramble_order", "store_bodies", "check_from_domain", "test_only",
+                     "outage"):
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be a boolean")
         elif key in _CHOICES:
@@ -335,10 +344,12 @@ class Emulator:
         self.inflight: set[tuple[str, str]] = set()
         self.windows: dict[str, deque[float]] = {}
         self.accepted = 0
+        self.accepted_today = 0
+        self.quota_day = -1
         self.stats: dict[str, Any] = {
             "requests": 0, "accepted_emails": 0, "responses_by_status": {}, "errors_by_name": {},
             "rate_limited": {}, "status_5xx": 0, "replays": 0, "conflicts": {}, "timeouts_injected": 0,
-            "resets_after_accept": 0, "outbox_lines": 0,
+            "resets_after_accept": 0, "errors_after_accept": 0, "outbox_lines": 0,
         }
         if self._outbox and truncate:
             self._outbox.seek(0)
@@ -387,7 +398,7 @@ class Emulator:
         if limit <= 0:
             return key, {}
         now = self.now()
-        window = self.windows.setdefault(key, deque())
+        window = self.windows.setdefault("team", deque())  # Resend: the limit is per team, all keys
         while window and window[0] <= now - 1.0:
             window.popleft()
         cap = max(1, int(limit))
@@ -423,6 +434,8 @@ class Emulator:
             key, rl = self.admit(request)
             if key in self.cfg.restricted_keys and handler != self.send:
                 raise ApiError(401, "restricted_api_key", "This API key is restricted to only send emails")
+            if self.cfg.outage:
+                raise ApiError(503, "service_unavailable", "Emulated outage: the service is unavailable.")
             if self.chance(self.cfg.timeout_rate):
                 self.stats["timeouts_injected"] += 1
                 self.count(Response(status_code=500), "internal_server_error")
@@ -477,6 +490,12 @@ class Emulator:
         finally:
             if slot is not None:
                 self.inflight.discard(slot)
+        if emails and self.chance(self.cfg.error_after_rate):
+            code = int(self.cfg.error_after_status)
+            self.stats["errors_after_accept"] += 1
+            name = {500: "internal_server_error", 502: "bad_gateway", 503: "service_unavailable",
+                    504: "gateway_timeout"}[code]
+            raise ApiError(code, name, f"Emulated {code} after the batch was processed.", rl)
         if emails and self.chance(self.cfg.reset_after_accept_rate):
             self.stats["resets_after_accept"] += 1
             log.info("reset_after_accept: %d email(s) accepted, response withheld (%s)", len(emails),
@@ -529,14 +548,19 @@ class Emulator:
                     valid.append((i, validate_email_payload(item, in_batch=True)))
                 except ApiError as err:
                     if not permissive:
-                        raise ApiError(422, "validation_error", f"emails[{i}]: {err.message}") from None
+                        # Resend's strict mode answers the first validation error as prose and
+                        # documents no index (contract "POST /emails/batch"): none is given here.
+                        raise ApiError(422, "validation_error", err.message) from None
                     errors.append({"index": i, "message": err.message})
         self._check_domains([email for _, email in valid])
         quota = self.cfg.quota_emails
-        if quota is not None and valid and self.accepted + len(valid) > quota:
-            raise ApiError(429, "daily_quota_exceeded", f"You have reached your daily email sending quota "
-                           f"({quota} emails, {self.accepted} used).")
         now = self.now()
+        day = int(now // 86400)
+        if day != self.quota_day:
+            self.quota_day, self.accepted_today = day, 0
+        if quota is not None and valid and self.accepted_today + len(valid) > quota:
+            raise ApiError(429, "daily_quota_exceeded", f"You have reached your daily email sending quota "
+                           f"({quota} emails, {self.accepted_today} used today).")
         received = datetime.fromtimestamp(now, UTC)
         stored = []
         for index, email in valid:
@@ -548,6 +572,7 @@ class Emulator:
         for rec in stored:
             self.emails[rec["id"]] = rec if keep else {**rec, "html": None, "text": None}
         self.accepted += len(stored)
+        self.accepted_today += len(stored)
         self.stats["accepted_emails"] = self.accepted
         if not batch:
             return 200, {"id": stored[0]["id"]}, stored

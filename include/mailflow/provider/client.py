@@ -9,12 +9,21 @@ keys and rate limits):
   garbage or missing -> exponential backoff with full jitter) and push the shared schedule back
   for every sender. Never wait past the run's deadline.
 * 429 ``daily_quota_exceeded`` / ``monthly_quota_exceeded``: not retried, the run stops.
-* 5xx, timeouts, transport errors: retried a bounded number of times (same key, same bytes).
-  A timeout or a connection lost after the request was written makes the outcome *ambiguous*.
-* 409 ``concurrent_idempotent_requests``: retried later. 409 ``invalid_idempotent_request``:
-  surfaced loudly, never resent under a fresh key.
-* 401/403: stop at once, naming the connection and the fix (``provider.errors.describe_refusal``:
-  missing, restricted or invalid key, unverified domain, test-only account).
+* 5xx, timeouts, transport errors after the request was written: the outcome is *ambiguous*
+  (Resend's error-code page: a 5xx is an infrastructure issue and says nothing about whether the
+  batch was processed; an edge 502/504 can follow processing). Retried a bounded number of times
+  with the same key and bytes; never reported as "not sent".
+* 409 ``concurrent_idempotent_requests``: the same key is still in flight, so its outcome is
+  unknown: retried later. 409 ``invalid_idempotent_request``: surfaced loudly, never resent
+  under a fresh key.
+* 401/403, 400/413/422 on the whole body, quota: refused as a whole, will be refused again: the run
+  stops at once (see :func:`refused_request`); a 401/403 is named with its fix
+  (``provider.errors.describe_refusal``: missing, restricted or invalid key, unverified domain,
+  test-only account).
+
+The classification (docs/model.md, "The outcome model"): a request is *proven not processed*
+only when the provider's answer says so (:func:`refused_request`, 429, 409 concurrent on a first
+attempt) or nothing was written (a connect error); everything else is ambiguous.
 """
 
 from __future__ import annotations
@@ -22,7 +31,6 @@ from __future__ import annotations
 import email.utils
 import logging
 import random
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,40 +136,58 @@ class ResendClient:
         return resp.json()
 
     # -- the batch send ------------------------------------------------------------------------
-    def send_batch(self, batch: PreparedBatch, deadline: float) -> Outcome:
+    def reserve_slot(self, deadline: float) -> float | None:
+        """Claim the next request slot of the shared schedule, before a chunk is minted.
+
+        :param deadline: ``clock.monotonic()`` value of the run's time budget.
+        :returns: the ``clock.monotonic()`` time at which the slot starts, or None when it starts
+            after ``deadline`` (then nothing should be minted: a minted chunk is always sent).
+        """
+        start = self.clock.monotonic() + self.pacer.claim()
+        return None if start > deadline else start
+
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Outcome:
         """Send one prepared batch; return what is known about its delivery.
 
-        :param deadline: ``clock.monotonic()`` value after which no new wait or attempt starts.
-        :returns: Accepted (reconciled by index), NotSent (certainly nothing delivered) or Unknown
-            (maybe delivered). Never raises for HTTP or transport failures.
+        :param deadline: ``clock.monotonic()`` value after which no new wait or retry starts.
+        :param slot: a slot from :meth:`reserve_slot`: the first attempt starts then, whatever the
+            deadline (the budget was checked when the slot was reserved, before minting).
+        :returns: :class:`Accepted` (reconciled by index), :class:`NotSent` (proven not processed;
+            always with ``stop_run``), :class:`Refused` (strict validation refused the whole
+            request; nothing processed) or :class:`Unknown` (maybe processed). Never raises for HTTP
+            or transport failures.
         """
+        validation = batch.validation or self.validation
         headers = {
             "Content-Type": "application/json",
             "Idempotency-Key": batch.idempotency_key,
-            "x-batch-validation": self.validation,
+            "x-batch-validation": validation,
         }
         n = len(batch.row_ids)
         maybe_delivered = False
         last = "no attempt made"
 
-        def give_up(reason: str, *, stop: str | None = None, fatal: bool = False) -> Outcome:
+        def give_up(reason: str, *, stop: str, fatal: bool = False) -> Outcome:
             if maybe_delivered:
-                return Unknown(reason=f"{reason}; an earlier attempt may have been accepted",
+                return Unknown(reason=f"{reason}; an earlier attempt may have been processed",
                                stop_run=stop, fatal=fatal)
             return NotSent(reason=reason, stop_run=stop, fatal=fatal)
 
         for attempt in range(1, self.policy.max_attempts + 1):
-            wait = self.pacer.claim()  # the slot is claimed before any wait or I/O
-            if self.clock.monotonic() + wait > deadline:
-                return give_up(f"time budget reached before attempt {attempt} ({last})", stop="time budget")
+            if attempt == 1 and slot is not None:
+                wait = max(slot - self.clock.monotonic(), 0.0)
+            else:
+                wait = self.pacer.claim()  # the slot is claimed before any wait or I/O
+                if self.clock.monotonic() + wait > deadline:
+                    return give_up(f"time budget reached before attempt {attempt} ({last})", stop="time budget")
             self.clock.sleep(wait)
             self.stats["requests"] += 1
             try:
                 resp = self.http.post("/emails/batch", content=batch.body, headers=headers)
-            except httpx.ConnectError as exc:  # nothing was written: certainly not delivered
+            except httpx.ConnectError as exc:  # nothing was written: certainly not processed
                 last = f"connection failed: {exc}"
             except (httpx.TimeoutException, httpx.TransportError) as exc:
-                # connect timeouts never reached the server; anything later may have been accepted
+                # connect/pool timeouts never reached the server; anything later may have been processed
                 self.stats["timeouts"] += 1
                 if not isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
                     maybe_delivered = True
@@ -177,54 +203,89 @@ class ResendClient:
                         return Unknown(reason=f"2xx with a body that is not JSON: {resp.text[:200]!r}")
                     return reconcile_by_index(n, payload)
                 last = f"HTTP {status} {name}: {message}"
-                if status in (401, 403):  # key, permission or domain: each named with its fix
-                    refusal = describe_refusal(status, name, message, self.conn_id)
-                    return give_up(refusal.message, stop=refusal.kind, fatal=True)
-                if status == 429 and name in QUOTA_ERRORS:
-                    return give_up(f"provider quota exhausted: {last}", stop=name)
+                if is_strict_refusal(status, name, validation) and not maybe_delivered:
+                    return Refused(reason=last)
+                refused = refused_request(status, name, message, self.conn_id)
+                if refused is not None:
+                    return give_up(refused.reason, stop=refused.stop, fatal=refused.fatal)
                 if status == 429:
                     self.stats["429"] += 1
                     delay = parse_retry_after(resp.headers.get("retry-after"), self.clock)
                     if delay is None:
                         delay = self.policy.backoff(attempt, self.rng)
-                    if delay > self.policy.max_retry_after:
-                        self.pacer.push_back(delay)
-                        return give_up(f"rate limited for {delay:.0f} s: {last}", stop="rate limited")
                     self.pacer.push_back(delay)  # every sender of the account waits, not just us
+                    if delay > self.policy.max_retry_after:
+                        return give_up(f"rate limited for {delay:.0f} s: {last}", stop="rate limited")
                     if self.clock.monotonic() + delay > deadline:
                         return give_up(f"time budget reached while rate limited ({last})", stop="time budget")
                     continue  # the next claim lands after the pushed-back schedule
                 if status == 409 and name == "concurrent_idempotent_requests":
                     maybe_delivered = True  # the first request with this key is still in flight
                 elif status == 409:
-                    return Unknown(reason=f"idempotency conflict, not resent under a new key: {last}", fatal=True)
-                elif status >= 500:
-                    self.stats["5xx"] += 1
+                    return Unknown(reason=f"idempotency conflict, not resent under a new key: {last}",
+                                   stop_run="idempotency conflict", fatal=True)
                 else:
-                    # 4xx other than the above: the request as a whole was refused; nothing sent.
-                    # Strict validation names the offending email: that row fails, the rest go again.
-                    index = _named_index(message, n)
-                    if index is not None and not maybe_delivered:
-                        return Refused(rejected={index: message}, reason=last)
-                    return give_up(f"request refused: {last}")
+                    # any 5xx (an edge 502/504 can follow processing) or another status: ambiguous
+                    if status >= 500:
+                        self.stats["5xx"] += 1
+                    maybe_delivered = True
             if attempt < self.policy.max_attempts:
                 delay = self.policy.backoff(attempt, self.rng)
                 if self.clock.monotonic() + delay > deadline:
                     return give_up(f"time budget reached while retrying ({last})", stop="time budget")
                 self.clock.sleep(delay)
-        return give_up(f"gave up after {self.policy.max_attempts} attempts: {last}")
+        return give_up(f"gave up after {self.policy.max_attempts} attempts: {last}",
+                       stop="provider unavailable" if maybe_delivered else "provider unreachable")
 
 
-_INDEX = re.compile(r"(?:emails)?\[(\d+)\]")
+VALIDATION_ERRORS = frozenset({"validation_error", "invalid_parameter", "missing_required_field",
+                               "invalid_from_address", "invalid_attachment"})
 
 
-def _named_index(message: str, size: int) -> int | None:
-    """The request index a strict-mode validation message names (``emails[2]: ...``), if any."""
-    m = _INDEX.search(message)
-    if m is None:
-        return None
-    index = int(m.group(1))
-    return index if 0 <= index < size else None
+def is_strict_refusal(status: int, name: str, validation: str) -> bool:
+    """A strict-mode batch refused by validation: ``x-batch-validation: strict`` answered 400/422
+    with a validation name (Resend, batch validation modes: "any invalid email fails the whole
+    request; nothing is sent"). Its message names no index (Resend documents none), so it is never
+    parsed for one: the caller re-sends the chunk permissive under a new key."""
+    return validation == "strict" and status in (400, 422) and name in VALIDATION_ERRORS
+
+
+@dataclass(frozen=True)
+class RequestRefusal:
+    """A whole-request refusal that will repeat: ``stop`` is the run's stop reason, ``reason`` the
+    message for people (names the connection to fix), ``fatal`` fails the task (an alert)."""
+
+    stop: str
+    reason: str
+    fatal: bool = True
+
+
+def auth_refusal(status: int, name: str, message: str, conn_id: str) -> RequestRefusal:
+    """401/403 (Resend's error-code page: 401 ``missing_api_key`` / ``restricted_api_key``, 403
+    ``invalid_api_key`` and 403 ``validation_error`` for an unverified ``from`` domain or a
+    test-only account): proven not processed, charges no user, stops the run at once with an alert.
+    The stop reason and message (cause and fix, naming the connection) come from
+    :func:`mailflow.provider.errors.describe_refusal`."""
+    refusal = describe_refusal(status, name, message, conn_id)
+    return RequestRefusal(stop=refusal.kind, reason=refusal.message)
+
+
+def refused_request(status: int, name: str, message: str, conn_id: str) -> RequestRefusal | None:
+    """Classify an answer that proves the whole request was NOT processed and will be refused again.
+
+    Sources: Resend's error-code page and the rate-limit / quota pages. Returns a :class:`RequestRefusal`
+    for 401/403 (:func:`auth_refusal`), 429 ``daily_quota_exceeded`` / ``monthly_quota_exceeded``,
+    400/413/422 on the whole body (a body the provider refuses; ``invalid_idempotency_key`` too),
+    else None (429 rate limits, 409 and everything ambiguous are handled by the caller).
+    """
+    if status in (401, 403):
+        return auth_refusal(status, name, message, conn_id)
+    if status == 429 and name in QUOTA_ERRORS:
+        return RequestRefusal(stop=name, reason=f"provider quota exhausted: HTTP {status} {name}: {message}")
+    if status in (400, 413, 422):
+        return RequestRefusal(stop="request refused",
+                       reason=f"provider refused the whole request: HTTP {status} {name}: {message}")
+    return None
 
 
 def _error_fields(resp: httpx.Response) -> tuple[str, str]:

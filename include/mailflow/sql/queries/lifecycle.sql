@@ -3,7 +3,9 @@
 -- The audience placeholder takes the campaign's own, version-controlled SQL; every value is bound.
 -- Exclusions:
 --   dedupe:      the user already has a live row for this campaign (unique key send_log_user_campaign_uq);
---   attempts:    max_attempts whole-request failures for this campaign already (a dead letter);
+--   (no attempts clause: a whole-request failure never charges a user; only a rejection of that
+--    exact email or an unknown outcome past the idempotency window excludes one, and both keep
+--    the live unique key, so `dedupe` covers them; docs/model.md)
 --   cooldown:    any campaign's email within the cooldown of the email's decision: sent since
 --                cooldown_since = interval end - cooldown (no upper bound, so a backfill also sees
 --                what was sent after its interval), in flight ('sending'), or planned ('pending')
@@ -20,8 +22,6 @@ from (
 ) as a
 where not exists (select 1 from mail.send_log d
                   where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
-  and (select count(*) from mail.send_log r
-       where r.user_id = a.user_id and r.campaign = %(campaign)s and r.released_at is not null) < %(max_attempts)s
   -- (two probes, each a plain index condition on send_log_cooldown_idx: measurably faster at 1M
   -- users than one probe with a CASE; see docs/performance.md). An exempt campaign (transactional
   -- mail, `policy = "exempt"`) skips the cooldown and caps: the constant folds away.

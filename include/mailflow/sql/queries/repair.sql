@@ -32,7 +32,7 @@ with changed as (
     update mail.send_log l
     set status = 'failed', dead_lettered_at = now(),
         error = 'unknown outcome: the provider may or may not have accepted it; its idempotency key '
-                || l.idempotency_key || ' expired, so it is not resent (a person must decide)'
+                || l.idempotency_key || ' is past the idempotency window, so it is not resent (a person must decide)'
     from mail.send_batch b
     where b.idempotency_key = l.idempotency_key
       and l.status = 'sending' and l.claimed_at < %(stale_before)s and b.created_at < %(window_start)s
@@ -46,7 +46,7 @@ select id, user_id, campaign, email, error from changed
 
 -- name: stale_batches
 -- Batches with stale 'sending' rows still inside the idempotency window, oldest first.
-select b.idempotency_key, b.campaign, b.body, b.email_count
+select b.idempotency_key, b.campaign, b.body, b.email_count, b.validation
 from mail.send_batch b
 where b.created_at >= %(window_start)s
   and exists (select 1 from mail.send_log l
@@ -59,9 +59,11 @@ limit %(limit)s
 -- Re-claim a stale batch's rows (conditional: a concurrent reconciler or a live worker wins,
 -- and then this returns nothing). Returns every row of the batch in request order, so the
 -- response can be reconciled by index.
+-- A stale batch's sender is gone and may have written its request before it died, so the rows
+-- become ambiguous here (ambiguous_at): whatever answers the resend, only a 2xx resolves them.
 with claimed as (
     update mail.send_log l
-    set claimed_at = now(), attempts = l.attempts + 1
+    set claimed_at = now(), attempts = l.attempts + 1, ambiguous_at = coalesce(l.ambiguous_at, now())
     where l.idempotency_key = %(key)s and l.status = 'sending' and l.claimed_at < %(stale_before)s
     returning l.id
 ), ev as (
@@ -74,36 +76,3 @@ select l.id, l.batch_index, l.status, (l.id in (select id from claimed)) as clai
 from mail.send_log l
 where l.idempotency_key = %(key)s
 order by l.batch_index
-
--- name: dead_letter_exhausted
--- A (user, campaign) whose whole-request failures reached max_attempts is not selected again
--- (see lifecycle.audience_page); its newest released row becomes the dead letter (once).
--- Only pairs with a release in the last day are examined (issue 16: every released row of the
--- send log was grouped on every reconcile run): a pair becomes exhausted at a release, so the
--- reconcile DAG (every 30 minutes) sees each one in any of 48 runs. They are found by an
--- index-only scan of the partial index send_log_released_at_idx (released, not dead-lettered)
--- and counted through send_log_released_idx. A pair missed (no reconcile run for a whole day) is
--- still never emailed again (the audience excludes it); it only goes unreported.
-with recent as (
-    select distinct user_id, campaign
-    from mail.send_log
-    where released_at is not null and dead_lettered_at is null and released_at >= now() - interval '1 day'
-), exhausted as (
-    select l.user_id, l.campaign, max(l.id) as id
-    from recent r
-    join mail.send_log l on l.user_id = r.user_id and l.campaign = r.campaign and l.released_at is not null
-    group by l.user_id, l.campaign
-    having count(*) >= %(max_attempts)s and count(l.dead_lettered_at) = 0
-), changed as (
-    update mail.send_log l
-    set dead_lettered_at = now(),
-        error = l.error || ' (attempts exhausted: ' || %(max_attempts)s || ' whole-request failures)'
-    from exhausted e
-    where l.id = e.id and l.status = 'failed' and l.dead_lettered_at is null
-    returning l.id, l.user_id, l.campaign, l.email, l.error, l.attempts
-), ev as (
-    insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
-    select id, 'failed', 'failed', attempts, 'dead-lettered: ' || error, %(dag_id)s, %(run_id)s, %(task_id)s
-    from changed
-)
-select id, user_id, campaign, email, error from changed

@@ -1,14 +1,24 @@
 -- name: save_batch
--- Keep the exact request bytes of a batch: any later retry (reconciler) resends these bytes.
-insert into mail.send_batch (idempotency_key, campaign, email_count, body)
-values (%(key)s, %(campaign)s, %(count)s, %(body)s)
+-- Keep the exact request bytes of a batch (any later retry resends these bytes, in the same
+-- validation mode) and assign its idempotency key, which never collides (docs/model.md):
+--   mf-<installation id>-<campaign tag>-<batch serial>-<16 hex of sha256(body)>
+-- The installation id is unique per database (0006), the serial per batch in it, and the body
+-- digest makes a key restored from a backup name the same bytes or a different key.
+insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation)
+select 'mf-' || i.id || '-' || %(tag)s || '-' || nextval('mail.send_batch_serial')::text
+           || '-' || left(encode(sha256(%(body)s::bytea), 'hex'), 16),
+       %(campaign)s, %(count)s, %(body)s, %(validation)s
+from mail.installation i
+returning idempotency_key
 
 -- name: assign_batch
--- Record each row's batch and request index (request index i = row_ids[i]).
+-- Record each row's batch and request index (request index i = row_ids[i]). A row that was ever
+-- part of an ambiguous request keeps its key forever: it is never given another batch.
 update mail.send_log l
 set idempotency_key = %(key)s, batch_index = b.idx
 from unnest(%(ids)s::bigint[], %(idx)s::int[]) as b(id, idx)
-where l.id = b.id and l.status = 'sending'
+where l.id = b.id and l.status = 'sending' and l.ambiguous_at is null
+returning l.id
 
 -- name: mark_sent
 -- Accepted by the provider: sending -> sent with its provider id. Guarded on the current state,
@@ -39,24 +49,24 @@ select id, 'sending', 'failed', attempts, error, %(dag_id)s, %(run_id)s, %(task_
 returning send_log_id
 
 -- name: release
--- The whole request certainly failed (nothing delivered).
+-- The whole request was proven not processed (the provider's answer says so): the rows go back
+-- without charging the user anything (docs/model.md, "Attempts count only real attempts").
 -- Lifecycle rows: sending -> failed with released_at set, which takes the row out of the unique
 -- key so the next run's audience decides again whether the user still qualifies (the row stays
--- as history; max_attempts such failures exclude the user, see lifecycle.eligible).
--- Scheduled rows: sending -> pending again, due after a backoff of 2^attempts minutes, keeping
--- their place in the plan; with attempts exhausted: failed and dead-lettered.
+-- as history; it excludes nobody).
+-- Scheduled rows: sending -> pending again, keeping their place in the plan, without their key
+-- and with the claim's attempt given back (no request of theirs was processed).
+-- A row that was ever part of an ambiguous request is never released (ambiguous_at guard): it
+-- keeps its key and bytes until a 2xx answers that key, or it becomes a dead letter.
 with changed as (
     update mail.send_log l
-    set status = case when l.kind = 'scheduled' and l.attempts < %(max_attempts)s then 'pending' else 'failed' end,
+    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
         released_at = case when l.kind = 'lifecycle' then now() end,
-        dead_lettered_at = case when l.kind = 'scheduled' and l.attempts >= %(max_attempts)s then now() end,
-        scheduled_at = case when l.kind = 'scheduled'
-                            then greatest(l.scheduled_at, now() + make_interval(mins => power(2, l.attempts)::int))
-                            else l.scheduled_at end,
+        attempts = case when l.kind = 'scheduled' then greatest(l.attempts - 1, 0) else l.attempts end,
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
         batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
         error = %(reason)s
-    where l.id = any(%(ids)s::bigint[]) and l.status = 'sending'
+    where l.id = any(%(ids)s::bigint[]) and l.status = 'sending' and l.ambiguous_at is null
     returning l.id, l.attempts, l.status
 )
 insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
@@ -64,11 +74,14 @@ select id, 'sending', status, attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(ta
 returning send_log_id
 
 -- name: note_unknown
--- The outcome is unknown: the rows stay 'sending' (the reconciler resends the same bytes under the
--- same key); the reason is recorded on the row and as an event.
+-- The outcome is unknown (or a later failure says nothing about an ambiguous row): the rows stay
+-- 'sending' with their key and bytes, marked ambiguous from the first such answer on; the
+-- sender's retries and then the reconciler resend the same bytes under the same key, and only a
+-- 2xx resolves them. The reason is recorded on the row and as an event.
 with changed as (
     update mail.send_log l
-    set error = %(reason)s
+    set error = %(reason)s, ambiguous_at = case when %(ambiguous)s then coalesce(l.ambiguous_at, now())
+                                                else l.ambiguous_at end
     where l.id = any(%(ids)s::bigint[]) and l.status = 'sending'
     returning l.id, l.attempts
 )
