@@ -25,3 +25,23 @@ alter table mail.send_log add column ambiguous_at timestamptz;
 -- An ambiguous row is never released (the guard lives in the release statement; this is the proof).
 alter table mail.send_log add constraint send_log_ambiguous_never_released
     check (ambiguous_at is null or released_at is null);
+
+comment on table mail.installation is
+    'One row: this database''s installation id, part of every idempotency key (docs/model.md, '
+    '"Idempotency keys"), so two databases sharing one provider team never send one key with two bodies.';
+comment on column mail.installation.singleton is 'Always true: the table holds exactly one row.';
+comment on column mail.installation.id is 'Random 32-hex installation id, created by migration 0006.';
+comment on column mail.installation.created_at is 'When the installation id was created (timestamptz, UTC).';
+comment on column mail.send_batch.validation is
+    'x-batch-validation the batch is sent with (strict or permissive); null: the connection''s mode. '
+    'Every retry, including the reconciler''s, uses the same mode with the same key and bytes.';
+comment on column mail.send_log.ambiguous_at is
+    'First time the row was part of a request whose outcome is unknown (5xx, timeout, reset, a 2xx that '
+    'does not add up, a stale batch resent). Such a row keeps its key and bytes: it is never released or '
+    're-keyed; only a 2xx to its key resolves it, or it is dead-lettered past the idempotency window.';
+comment on column mail.send_log.dead_lettered_at is
+    'When the email was given up for a person to decide (timestamptz, UTC): an unknown outcome past the '
+    '24 h idempotency window (whole-request failures never dead-letter anyone since 0006). Null: not a dead letter.';
+comment on column mail.send_log.attempts is
+    'Requests of this row so far (the engine''s or dispatcher''s claim, reconciler resends add 1); a claim '
+    'whose request was proven not processed is given back (scheduled rows).';
