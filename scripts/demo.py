@@ -124,8 +124,7 @@ def reconcile_after(dsn: str, emulator_url: str, api_key: str, *, external: bool
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
             now = conn.execute("select now()").fetchone()[0]
-            summary = reconcile(conn, client, now=now, stale_after=stale_after,
-                                max_attempts=settings.max_attempts())
+            summary = reconcile(conn, client, now=now, stale_after=stale_after)
     finally:
         client.close()
         close = getattr(pacer, "close", None)
