@@ -504,6 +504,7 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
                         {**os.environ, "PYTHONUNBUFFERED": "1"}, here / "emulator.log").start()
         (here / "emulator.pid").write_text(str(emulator.pid))
         emulator_url = f"http://127.0.0.1:{emu_port}"
+        (here / "emulator.url").write_text(f"{emulator_url}\n{state}\n")  # make demo on this database uses it
         password = _secret(here / "admin.password")
         (here / "passwords.json").write_text(json.dumps({ADMIN: password}))
         env = airflow_env(here / "home", meta_dsn, mailflow_connections(
@@ -554,6 +555,7 @@ def down() -> dict[str, str]:
         out[name] = f"pid {pid}: " + stop_group(pid, first=first)
         pidfile.unlink(missing_ok=True)
     (here / "banner.txt").unlink(missing_ok=True)
+    (here / "emulator.url").unlink(missing_ok=True)
     return out
 
 

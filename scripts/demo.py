@@ -20,12 +20,14 @@ other client uses it and ``--keep-db`` is not given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -103,6 +105,26 @@ def main() -> int:
         return EXIT_BUSY
 
 
+@dataclass(frozen=True)
+class SharedEmulator:
+    """The emulator `make airflow` runs (only its URL is needed)."""
+
+    base_url: str
+
+
+def shared_emulator(state: Path) -> SharedEmulator | None:
+    """The running `make airflow` emulator if it serves this database (same outbox directory):
+    then the demo uses it, so one process owns the outbox and the idempotency memory."""
+    here = STATE / "airflow-local"
+    if devenv.local_airflow_pid() is None:
+        return None
+    try:
+        url, served = (here / "emulator.url").read_text().split("\n")[:2]
+    except (OSError, ValueError):
+        return None
+    return SharedEmulator(url.strip()) if Path(served.strip()) == state else None
+
+
 def reconcile_after(dsn: str, emulator_url: str, api_key: str, *, external: bool) -> dict[str, int]:
     """The reconciler on the demo's database (its public entry point, :func:`mailflow.repair.reconcile`).
 
@@ -172,9 +194,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"demo data: {loaded}")
             before = conn.execute("select count(*) from mail.send_log where status = 'sent'").fetchone()[0]
 
-        with EmulatorProcess(outbox=outbox, api_key=api_key, rate_limit=10, control=False,
-                             idempotency_store=idem_store) as emu:
-            print(f"email API emulator: {emu.base_url} (outbox {outbox})")
+        shared = shared_emulator(state)
+        with (contextlib.nullcontext(shared) if shared else
+              EmulatorProcess(outbox=outbox, api_key=api_key, rate_limit=10, control=False,
+                              idempotency_store=idem_store)) as emu:
+            print(f"email API emulator: {emu.base_url} (outbox {outbox})"
+                  + (" - the one of `make airflow`, which uses this database too" if shared else ""))
             env = airflow_env(dsn, emu.base_url, api_key)
             if not (STATE / "airflow" / "airflow.db").exists():
                 print("airflow: migrating its metadata database (first run only)")

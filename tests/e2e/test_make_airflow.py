@@ -10,6 +10,7 @@ in the background. Then, through the REST API and in Chromium (Debian's package,
   connections work) and it succeeds;
 * screenshots: the DAG list, the progress page list and a scheduled campaign with both charts
   (``artifacts/test_make_airflow/``);
+* ``make demo`` meanwhile uses the same emulator and audits clean;
 * ``make stop`` stops it (SIGINT to the standalone) and no process of it is left: nothing whose
   command line or environment names the state directory, no member of their process groups, and
   the embedded server is down.
@@ -165,6 +166,16 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
         page.screenshot(path=str(ARTIFACTS / "airflow_ui_progress.png"))
     finally:
         context.close()
+
+    # make demo while make airflow runs on the same database: it shares the emulator (one process owns
+    # the outbox and the idempotency memory), leaves the server it did not start, and audits clean
+    demo = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--users", "300"], env=env, text=True,
+                          capture_output=True, timeout=600, cwd=str(ROOT))
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "the one of `make airflow`" in demo.stdout and "this demo did not start it" in demo.stdout
+    audit = next(x for x in demo.stdout.splitlines() if x.startswith("audit (send log vs outbox): "))
+    assert "duplicate_deliveries=0, sent_without_delivery=0, delivered_without_sent=0, provider_id_mismatch=0" in audit
+    assert devenv.pid_alive(pid) and devenv.pid_alive(emulator_pid)
 
     # make stop, as the Makefile runs it (-o: never rebuild the shared venv from here)
     t1 = time.monotonic()
