@@ -1,9 +1,9 @@
--- migrate: no-transaction
 -- 0008 (issue 16): the provider's learned rate limit lives with the shared slot schedule, so every process
 -- and worker starts from what the provider said, not from its connection's default.
--- Run statement by statement outside a transaction (mailflow.migrate), for the CONCURRENTLY index
--- at the end; every statement is idempotent, so an interrupted run is resumed by the next one.
--- ADD COLUMN with constant defaults: no table rewrite, a brief lock on the small mail.rate_slot.
+-- One transaction. ADD COLUMN with constant defaults: no table rewrite, a brief lock on the small
+-- mail.rate_slot. (A partial index for the reconciler's dead-letter sweep was here briefly; issue 12
+-- removed that sweep, so the index went too. A database that applied that version of 0008 can
+-- drop it: drop index concurrently if exists mail.send_log_released_at_idx.)
 alter table mail.rate_slot
     add column if not exists limit_per_second     double precision check (limit_per_second > 0),
     add column if not exists limit_seen_at        timestamptz,
@@ -28,9 +28,3 @@ comment on column mail.rate_slot.last_rate_limited_at is 'The latest 429 rate_li
 comment on column mail.rate_slot.spacing is
     'Seconds between request starts used by the latest claim: 1 / (effective requests per second).';
 
--- Released rows not yet dead-lettered, by release time: reconcile's dead_letter_exhausted examines
--- only the pairs released in the last day (index-only) instead of grouping every released row of
--- the send log on every run. Small: released rows are ~2% of the log, and a row leaves the index
--- when it is dead-lettered; it is written only when a row is released or dead-lettered.
-create index concurrently if not exists send_log_released_at_idx on mail.send_log (released_at) include (user_id, campaign)
-    where released_at is not null and dead_lettered_at is null;
