@@ -138,7 +138,7 @@ def test_429_then_200_waits_exactly_retry_after_and_resends_the_same_bytes(retry
         assert r.headers["authorization"] == "Bearer re_secret_key"
         assert r.headers["x-batch-validation"] == "permissive"
         assert r.headers["content-type"] == "application/json"
-    assert rig.client.stats == {"requests": 2, "429": 1, "5xx": 0, "timeouts": 0, "replays": 0}
+    assert rig.client.stats == {"requests": 2, "429": 1, "5xx": 0, "timeouts": 0, "replays": 0, "late_slots": 0}
 
 
 def test_429_with_http_date_retry_after() -> None:
@@ -467,3 +467,22 @@ def test_strict_validation_is_sent_as_the_header() -> None:
     assert script.requests[0].headers["x-batch-validation"] == "strict"
     with pytest.raises(ValueError, match="'permissive' or 'strict'"):
         ResendClient(BASE, "k", pacer=LocalPacer(10, clock=clock), validation="lenient")
+
+
+def test_a_reserved_slot_missed_by_more_than_the_tolerance_is_forfeited_for_the_next() -> None:
+    # At 0.8 of 10/s the slack per 1 s window is 1/0.8 - 1 = 0.25 s; half of it (0.125 s) may be lost
+    # between a slot and its request. A chunk prepared for longer than that takes a fresh slot.
+    rig = Rig(httpx.Response(200, json=OK), httpx.Response(200, json=OK))
+    assert rig.client.late_tolerance() == pytest.approx(0.125)
+    slot = rig.client.reserve_slot(deadline=100.0)
+    assert slot == 0.0
+    rig.clock.advance(0.1)  # preparing the chunk took 100 ms: within the tolerance, sent at once
+    assert isinstance(rig.client.send_batch(BATCH, 100.0, slot=slot), Accepted)
+    assert rig.clock.sleeps == [0.0] and rig.client.stats["late_slots"] == 0
+    slot = rig.client.reserve_slot(deadline=100.0)  # the next slot: 0.125
+    assert slot == pytest.approx(0.125)
+    rig.clock.advance(0.3)  # now 0.4: the slot passed 275 ms ago
+    assert isinstance(rig.client.send_batch(BATCH, 100.0, slot=slot), Accepted)
+    assert rig.client.stats["late_slots"] == 1
+    assert rig.clock.sleeps == [0.0, 0.0]  # a fresh slot: the schedule's next one (0.25) is already past
+    assert rig.pacer.claim() == pytest.approx(0.125)  # and the schedule moved on from it (0.4 + 0.125)
