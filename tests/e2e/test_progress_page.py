@@ -4,7 +4,8 @@ A real ``airflow api-server`` runs as a subprocess on a free port with a tempora
 (metadata: the session's migrated SQLite), SimpleAuthManager with two known users (``admin`` and
 ``viewer``), ``AIRFLOW__CORE__PLUGINS_FOLDER=plugins`` and the ``send_log_db`` connection in its
 environment; it is stopped by its PID at the end. The send log is a database of its own with demo
-data (400 users), one real lifecycle run and a scheduled campaign whose rows are all due.
+data (800 users), one real lifecycle run and a scheduled campaign (to the free users that run did not
+email: the contact guard would defer those) whose rows are all due.
 
 * Without a token every route of the plugin answers 401 (a bad token: 403); the UI navigation lists
   the page.
@@ -119,12 +120,16 @@ def prepare_send_log(dsn: str, emulator: EmulatorProcess) -> int:
     end = current_hour()
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
-        load_demo_data(conn, users=400, seed=7, anchor=end)
+        load_demo_data(conn, users=800, seed=7, anchor=end)
     run_lifecycle_once(dsn, emulator, end, lifecycle_run_context(end))
     with psycopg.connect(dsn) as conn:
+        # the outreach list leaves out whoever the lifecycle run just emailed: the contact guard would
+        # defer them past the cooldown (days), and this test watches a campaign finish
+        conn.execute("create table app.outreach_list as select u.user_id, u.email, u.first_name from app.users u"
+                     " where u.plan = 'free' and not exists (select 1 from mail.send_log l where l.user_id = u.user_id)")
         cid = scheduled.create_campaign(conn, {
             "name": CAMPAIGN, "template": "outreach", "subject": "{{ user.first_name or 'Hi' }}, spring is here",
-            "from": "Outreach <outreach@mail.example.com>", "recipients_sql": "free_plan_users", "start_at": PAST,
+            "from": "Outreach <outreach@mail.example.com>", "recipients_table": "app.outreach_list", "start_at": PAST,
             "timezone": "Europe/Berlin", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["00:00-23:59"],
             "emails_per_day": 100000}, actor="test")
         scheduled.provision(conn, cid, now=PAST)
