@@ -552,7 +552,9 @@ def down() -> dict[str, str]:
             pid = int(pidfile.read_text().strip())
         except (OSError, ValueError):
             continue
-        out[name] = f"pid {pid}: " + stop_group(pid, first=first)
+        print(f"stopping {name} (pid {pid}, {first.name}) ...", flush=True)
+        # standalone stops its components one by one; on a loaded machine that can take a minute
+        out[name] = f"pid {pid}: " + stop_group(pid, timeout=120.0, first=first)
         pidfile.unlink(missing_ok=True)
     (here / "banner.txt").unlink(missing_ok=True)
     (here / "emulator.url").unlink(missing_ok=True)
