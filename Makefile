@@ -45,7 +45,7 @@ psql: venv       ## open the demo's send log in psql (starts the embedded server
 
 stop: venv       ## stop `make airflow` (SIGINT to airflow standalone, then the emulator) and the embedded PostgreSQL servers
 	$(PY) scripts/airflow_local.py down
-	$(PY) -c "from mailflow import devenv; [print(p, devenv.stop_embedded(p)) for p in (devenv.STATE / 'pgdata', devenv.ROOT / '.demo' / 'pgdata-test')]"
+	$(PY) -c "from mailflow import devenv; [print(f'embedded PostgreSQL {p}:', devenv.stop_if_unused(p)) for p in (devenv.STATE / 'pgdata', devenv.TEST_PGDATA)]"
 
 emulator: venv   ## the Resend-compatible emulator in the foreground on port 8025; accepts API key re_test_emulator (EMULATOR_ARGS="--api-key re_...")
 	@echo "emulator: http://127.0.0.1:8025, API key re_test_emulator (Authorization: Bearer re_test_emulator)"

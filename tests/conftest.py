@@ -41,12 +41,13 @@ def pg_admin_dsn() -> Iterator[str]:
     if explicit:
         yield explicit
         return
-    pgdata = ROOT / ".demo" / "pgdata-test"
-    already_running = devenv.embedded_running(pgdata)
-    dsn = devenv.embedded_dsn(pgdata)
-    yield dsn
-    if not already_running:  # another session (or `make demo`) may be using a server it started
-        devenv.stop_embedded(pgdata)
+    pgdata = devenv.TEST_PGDATA
+    with devenv.server_in_use(pgdata):  # `make stop` (run by an e2e test, or a person) leaves it alone
+        already_running = devenv.embedded_running(pgdata)
+        dsn = devenv.embedded_dsn(pgdata)
+        yield dsn
+    if not already_running:  # another session may be using a server it started
+        devenv.stop_if_unused(pgdata)
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,51 @@ def stop_embedded(pgdata: Path | None = None) -> bool:
     return True
 
 
+#: The embedded server of the test suite (``make test`` without ``TEST_DATABASE_URL``).
+TEST_PGDATA = ROOT / ".demo" / "pgdata-test"
+
+
+def _users_dir(pgdata: Path) -> Path:
+    return pgdata.parent / f"{pgdata.name}.users"
+
+
+@contextmanager
+def server_in_use(pgdata: Path) -> Iterator[None]:
+    """Mark the embedded server of ``pgdata`` as used by this process (a PID file beside it).
+
+    :func:`stop_if_unused` leaves a server alone while any such process is alive, so ``make stop``
+    run by an end-to-end test (or by a person) never stops the server under a running test session.
+    """
+    users = _users_dir(pgdata)
+    users.mkdir(parents=True, exist_ok=True)
+    mark = users / str(os.getpid())
+    mark.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        mark.unlink(missing_ok=True)
+
+
+def live_users(pgdata: Path) -> list[int]:
+    """PIDs of live processes marked by :func:`server_in_use` for ``pgdata`` (stale marks removed)."""
+    users = _users_dir(pgdata)
+    alive: list[int] = []
+    for mark in users.glob("*") if users.is_dir() else []:
+        if mark.name.isdigit() and pid_alive(int(mark.name)):
+            alive.append(int(mark.name))
+        else:
+            mark.unlink(missing_ok=True)
+    return sorted(alive)
+
+
+def stop_if_unused(pgdata: Path) -> str:
+    """Stop the embedded server of ``pgdata`` unless a live process uses it; return what was done."""
+    users = [pid for pid in live_users(pgdata) if pid != os.getpid()]
+    if users:
+        return f"left running: in use by pid {', '.join(map(str, users))}"
+    return "stopped" if stop_embedded(pgdata) else "not running"
+
+
 def admin_dsn(explicit: str | None = None) -> str:
     """DSN of a maintenance database: ``explicit`` if given, else the embedded server."""
     return explicit or embedded_dsn()

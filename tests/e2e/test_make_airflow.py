@@ -189,3 +189,6 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
     assert not group_alive(pid) and not group_alive(emulator_pid)
     assert processes_of(state) == []
     assert not devenv.embedded_running(state / "pgdata")
+    if not os.environ.get("TEST_DATABASE_URL"):  # the suite's own embedded server is in use: left alone
+        assert devenv.embedded_running(devenv.TEST_PGDATA)
+        assert f"embedded PostgreSQL {devenv.TEST_PGDATA}: left running: in use by pid {os.getpid()}" in stop.stdout
