@@ -6,7 +6,8 @@ Processes (``multiprocessing``, spawn), all started together on one barrier:
 
 * two scheduled campaigns, due at once: ``cc_sched_defer`` (every 2nd user) is provisioned before
   the race; ``cc_sched_skip`` (every 3rd user) is provisioned by the ``provision`` process in
-  small chunks while the others run;
+  small chunks, paced (``pace`` seconds between chunks) so that its planned, at once due, emails
+  appear while the lifecycle runs mint the same users: the paths meet at the contact guard;
 * ``lifecycle-N``: lifecycle runs over two campaigns whose audience is every user (each process its
   own run id; the first runs both, the others one each, so runs of different campaigns overlap);
 * ``dispatch-N``: scheduled dispatchers, looping until the provisioner is done and nothing is due.
@@ -15,7 +16,10 @@ The provider is an in-process double that accepts every email (the claim side is
 the provider); a ``sent`` row is an accepted email. Every email goes out within seconds, so any two
 contacts of one user fall inside the 7-day cooldown. Invariants (all must be 0): users with two or
 more contacts (``sent`` or ``sending``), users never decided (no email and nothing pending or held),
-due ``pending`` rows left undecided.
+due ``pending`` rows left undecided. The counts also say where the paths met under the guard:
+``lifecycle_held_under_guard`` (users a lifecycle run held back after the lock, summed over the
+runs' summaries) and ``scheduled_held_by_lifecycle`` (scheduled emails deferred or skipped because
+of a lifecycle email).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def _renderer() -> Any:
     return Renderer(signer_from_secret(SECRET), "https://mail.example.com", "https://app.example.com", mailto="")
 
 
-def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, rounds: int) -> None:
+def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, rounds: int, held: Any) -> None:
     from mailflow.engine import run_lifecycle
     from mailflow.store import PostgresStore
 
@@ -71,11 +75,15 @@ def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, roun
         store = PostgresStore(conn)
         campaigns = [_campaign(name, LIFECYCLE.index(name) + 1) for name in names]
         barrier.wait()
+        total = 0
         for r in range(rounds):
             end = conn.execute("select now()").fetchone()[0]  # type: ignore[index]
-            run_lifecycle(store, AcceptAll(), _renderer(), campaigns, DataInterval(end - timedelta(hours=1), end),
-                          run=RunContext(dag_id="contact_chaos", run_id=f"lifecycle-{n}-{r}", task_id="send"),
-                          chunk_size=(50, 75, 100, 33)[n % 4])
+            summaries = run_lifecycle(
+                store, AcceptAll(), _renderer(), campaigns, DataInterval(end - timedelta(hours=1), end),
+                run=RunContext(dag_id="contact_chaos", run_id=f"lifecycle-{n}-{r}", task_id="send"),
+                chunk_size=(50, 75, 100, 33)[n % 4])
+            total += sum(s.held for s in summaries)
+        held.put(total)
 
 
 def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) -> None:
@@ -95,13 +103,16 @@ def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) 
                 time.sleep(0.05)
 
 
-def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any) -> None:
+def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any, pace: float) -> None:
     from mailflow import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         barrier.wait()
         for cid in ids[1:]:
-            scheduled.provision(conn, cid, now=PAST, chunk=97)
+            # small chunks at a pace near the lifecycle runs' own, so that a recipient's planned (and
+            # at once due) email often appears while a lifecycle run is minting the same user: the
+            # two paths then meet at the contact guard, not only at the audience pre-filter
+            scheduled.provision(conn, cid, now=PAST, chunk=23, after_chunk=lambda _s: time.sleep(pace))
         done.set()
 
 
@@ -135,7 +146,7 @@ def setup(dsn: str, users: int) -> list[int]:
 
 
 def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2, rounds: int = 1,
-        seconds: float = 60.0) -> dict[str, Any]:
+        seconds: float = 60.0, pace: float = 0.05) -> dict[str, Any]:
     """Run the mixed claimers against ``dsn`` (migrated, demo app schema) and return the counts.
 
     :returns: ``{"users", "processes", "seconds", "counts": {...}, "invariants": {...}}``.
@@ -143,11 +154,12 @@ def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2
     ids = setup(dsn, users)
     ctx = multiprocessing.get_context("spawn")
     parties = 1 + lifecycle + dispatchers
-    barrier, done = ctx.Barrier(parties), ctx.Event()
-    procs = [ctx.Process(target=_provision_worker, args=(dsn, ids, barrier, done), name="provision")]
+    barrier, done, held = ctx.Barrier(parties), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_provision_worker, args=(dsn, ids, barrier, done, pace), name="provision")]
     for n in range(lifecycle):
         names = LIFECYCLE if n == 0 else (LIFECYCLE[n % 2],)
-        procs.append(ctx.Process(target=_lifecycle_worker, args=(dsn, n, names, barrier, rounds), name=f"lifecycle-{n}"))
+        procs.append(ctx.Process(target=_lifecycle_worker, args=(dsn, n, names, barrier, rounds, held),
+                                 name=f"lifecycle-{n}"))
     for n in range(dispatchers):
         procs.append(ctx.Process(target=_dispatch_worker, args=(dsn, n, barrier, done, seconds), name=f"dispatch-{n}"))
     t0 = time.monotonic()
@@ -156,6 +168,10 @@ def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2
     for p in procs:
         p.join(seconds + 60)
     failed = [f"{p.name}: exit {p.exitcode}" for p in procs if p.exitcode != 0]
+    lifecycle_held = 0
+    for p in procs:
+        if p.name.startswith("lifecycle-") and p.exitcode == 0:
+            lifecycle_held += int(held.get(timeout=10))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -177,6 +193,13 @@ def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2
                                    " and to_status = 'pending' and error like 'contact policy:%'"),
             "skip_events": one("select count(*) from mail.send_event where to_status = 'skipped'"
                                " and error like 'contact policy:%'"),
+            # where the two paths met at the contact guard (not only at the audience pre-filter):
+            # lifecycle users held back under the lock (by a planned or claimed scheduled email, or
+            # another lifecycle run), and scheduled emails held back by a lifecycle email
+            "lifecycle_held_under_guard": lifecycle_held,
+            "scheduled_held_by_lifecycle": one(
+                "select count(*) from mail.send_log where kind = 'scheduled' and status in ('pending', 'skipped')"
+                " and error like 'contact policy:%(cc_life_%'"),
         }
         invariants = {
             "users_with_two_contacts_in_cooldown": one(

@@ -42,6 +42,8 @@ def test_concurrent_lifecycle_and_scheduled_claimers_never_mail_a_user_twice(db:
     # both paths sent: users on no scheduled list (1 in 3) only get lifecycle mail; the pre-provisioned
     # campaign's users are held back from lifecycle mail by their planned email and get that one
     assert c["lifecycle_sent"] >= 2000 // 3 and c["scheduled_sent"] >= 1
+    # the claimers met at the contact guard, not only at the audience pre-filter
+    assert c["lifecycle_held_under_guard"] + c["scheduled_held_by_lifecycle"] >= 1
     # every scheduled row the policy held back is visible: deferred (with an event) or skipped
     sched = db.execute("select count(*) from mail.send_log where kind = 'scheduled'").fetchone()
     assert sched is not None and sched[0] == 1000 + 666
