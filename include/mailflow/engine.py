@@ -209,7 +209,7 @@ def run_lifecycle(
         if summary.minted and summary.failed == summary.minted:
             fatal.append(f"{campaign.name}: every one of {summary.minted} emails was rejected by the provider")
         log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, invalid address %d, "
-                 "duplicate address %d, held by the contact policy %d, skipped %d%s",
+                 "duplicate address %d, held back by the contact guard %d, skipped %d%s",
                  campaign.name, summary.eligible, summary.minted, summary.sent, summary.failed,
                  summary.released, summary.unknown, summary.invalid, summary.duplicates, summary.held,
                  summary.skipped,

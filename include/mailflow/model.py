@@ -136,9 +136,10 @@ class CampaignSummary:
     """Counts for one campaign in one run (emails). ``eligible`` is the audience after exclusions at
     the start of the campaign; ``invalid`` = rows failed locally (address rejected by the validator,
     no request), ``duplicates`` = rows recorded as ``duplicate`` (another user got the campaign at the
-    same normalised address), ``held`` = users the contact guard held back at mint (a claim that
-    committed after the audience was read); ``skipped`` = eligible users not decided (time budget or
-    stop)."""
+    same normalised address), ``held`` = users the contact guard left out at mint, without a row (a
+    claim that committed after the audience was read, an address suppressed in a spelling the
+    audience query cannot match, or an address the provider rejected earlier in this run; a later
+    run decides again); ``skipped`` = eligible users not decided (time budget or stop)."""
 
     campaign: str
     eligible: int = 0

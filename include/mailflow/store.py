@@ -150,8 +150,11 @@ class PostgresStore:
                 if run.run_id is not None:
                     barred |= {x[0] for x in self.conn.execute(query("lifecycle", "rejected_in_run"),
                                                                {"keys": keys, "run_id": run.run_id})}
+            # left out of this run, no row (a later run decides again), counted as held: the summary
+            # accounts for every eligible user
+            held = len(valid)
             valid = [r for r in valid if not barred.intersection(addresses[r[0]].keys)]
-            held = 0
+            held -= len(valid)
             if valid:
                 uids = [int(r[0]) for r in valid]
                 now = lock_contacts(self.conn, uids)
@@ -160,7 +163,7 @@ class PostgresStore:
                     ref = cooldown_since + campaign.cooldown
                     contacts = load_contacts(self.conn, uids, policy, ref=ref, now=now, include_planned=True)
                     ok = [r for r in valid if evaluate(policy, contacts.get(int(r[0]), ()), ref=ref, now=now) is None]
-                    held = len(valid) - len(ok)
+                    held += len(valid) - len(ok)
                     valid = ok
             if valid:
                 holders = reserve_addresses(self.conn, campaign.name, [(int(r[0]), addresses[r[0]].key) for r in valid])
