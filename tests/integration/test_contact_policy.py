@@ -339,6 +339,11 @@ def test_addresses_are_checked_and_normalised_before_any_request_on_both_paths(l
     assert rows[1]["status"] == "failed" and rows[1]["attempts"] == 0 and rows[1]["idempotency_key"] is None
     assert rows[1]["error"] == "invalid address: The part after the @-sign contains invalid characters: '@'."
     assert rows[5]["error"] == "invalid address: An email address cannot have two periods in a row."
+    # each local decision is an event carrying the validator's reason (after provisioning's 'pending')
+    for uid in (1, 5):
+        assert lrig.db.execute("select to_status, attempt, error from mail.send_event where send_log_id = %s"
+                               " and to_status <> 'pending' order by id", (rows[uid]["id"],)).fetchall() == [
+            ("failed", 0, rows[uid]["error"])]
     assert rows[3]["email"] == "jörg@xn--bcher-kva.example"
     assert rows[3]["email_key"] == "jörg@xn--bcher-kva.example"
     assert rows[4]["email_key"] == "carl@example.org"
