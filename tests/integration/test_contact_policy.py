@@ -233,6 +233,30 @@ def test_a_deferral_keeps_the_daily_count(srig: ts.Rig) -> None:
     assert all(t > now + 5 * D for t in times)
 
 
+def test_a_deferral_skips_a_day_the_campaigns_own_plan_already_fills(srig: ts.Rig) -> None:
+    """User 1 is free from tomorrow; the campaign (2 per day) already has 2 emails planned on that
+    day for users 2 and 3: the deferred email goes to the day after, inside the window."""
+    now = db_now(srig.db)
+    spec_kw = {"timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["00:00-23:59"], "emails_per_day": 2}
+    cid = srig.campaign(recipients_sql=None, recipients_table="mail.campaign_recipient", **spec_kw)
+    recipients(srig, cid, [(1, "user1@example.com")])
+    srig.provision(cid)  # user 1: due since 2026-01-05
+    plant_sent(srig.db, 1, "first_practice", now - 6 * D)
+    free_at = now - 6 * D + 7 * D
+    day = free_at.date()
+    for uid, at in ((2, datetime.combine(day, datetime.min.time(), free_at.tzinfo) + timedelta(minutes=1)),
+                    (3, datetime.combine(day, datetime.max.time(), free_at.tzinfo) - timedelta(minutes=5))):
+        srig.db.execute("insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
+                        " values (%s, 'outreach_test', 'scheduled', %s, 'pending', %s)",
+                        (uid, f"user{uid}@example.com", at))
+    s = srig.dispatch()
+    assert (s.sent, s.deferred) == (0, 1)
+    [row] = srig.rows("campaign = 'outreach_test' and user_id = 1")
+    spec = scheduled.plan_spec(srig.campaign_row(cid))
+    assert row["status"] == "pending" and plan_day(spec, row["scheduled_at"]) == day + D
+    assert row["scheduled_at"].time() < datetime.strptime("23:59", "%H:%M").time()
+
+
 def test_scheduled_skip_and_ignore(srig: ts.Rig) -> None:
     srig.users(2)
     now = db_now(srig.db)
