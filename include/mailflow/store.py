@@ -10,7 +10,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import psycopg
@@ -261,23 +261,42 @@ class PostgresStore:
             return Applied(unknown=n)
 
     def preview(self, campaigns: Sequence[Campaign], interval: Any, renderer: Any, sample: int = 3) -> list[dict[str, Any]]:
-        """Dry run: per campaign, the audience size after exclusions and ``sample`` rendered emails
-        (subject and masked recipient). Writes nothing. Later campaigns do not see earlier ones'
-        audiences as minted, so the counts are upper bounds of what a real run mints."""
+        """Dry run: per campaign, in priority order, the audience size after exclusions and
+        ``sample`` rendered emails (subject and masked recipient). Writes nothing.
+
+        The same policy as a real run of ``interval``: the audience query's exclusions (dedupe,
+        cooldown, caps, planned emails, suppression), and priority: a user an earlier campaign of
+        the run would claim is a contact for every later one, so a later campaign does not count
+        them unless it is exempt (transactional) or there is no cooldown. ``eligible`` is what the
+        real run reports as its campaign's ``eligible`` (the mint's re-check under the contact guard
+        may still hold some back: a claim committed after the dry run)."""
         out: list[dict[str, Any]] = []
-        for c in campaigns:
+        taken: set[int] = set()  # users an earlier campaign of this run would claim
+        for c in sorted(campaigns, key=lambda c: c.priority):
             window = c.window(interval)
             since = interval.end - c.cooldown
-            params = self._params(c, window, since) | {"after": 0, "limit": sample}
+            params = self._params(c, window, since)
             with self.conn.transaction():
-                rows = self.conn.execute(self._audience_sql("audience_page", c), params).fetchall()
-            emails = [renderer.render_email(c, MintedRow(id=0, user_id=r[0], email=a.send, context=r[2] or {}))
-                      for r in rows if (a := normalise_address(r[1])).valid]
+                ids = {int(r[0]) for r in self.conn.execute(self._audience_sql("audience_ids", c), params)}
+            blocked = set() if c.exempt or c.cooldown <= timedelta(0) else taken
+            eligible = ids - blocked
+            taken |= eligible
+            emails: list[dict[str, Any]] = []
+            after = 0
+            while len(emails) < sample:
+                with self.conn.transaction():
+                    rows = self.conn.execute(self._audience_sql("audience_page", c),
+                                             params | {"after": after, "limit": max(sample, 100)}).fetchall()
+                if not rows:
+                    break
+                after = max(int(r[0]) for r in rows)
+                emails += [renderer.render_email(c, MintedRow(id=0, user_id=r[0], email=a.send, context=r[2] or {}))
+                           for r in rows if int(r[0]) in eligible and (a := normalise_address(r[1])).valid]
             out.append({
                 "campaign": c.name,
-                "eligible": self.count_audience(c, window, since),
+                "eligible": len(eligible),
                 "window": [window[0].isoformat(), window[1].isoformat()],
-                "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails],
+                "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails[:sample]],
             })
         return out
 

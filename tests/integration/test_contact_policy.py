@@ -573,3 +573,23 @@ def test_a_dry_run_counts_exactly_what_the_real_run_then_mints(lrig: LRig) -> No
     [s] = lrig.run([c], interval=interval)
     assert (s.eligible, s.minted, s.sent, s.held) == (2, 2, 2, 0)
     assert outbox_to(lrig.emulator) == ["user6@example.com", "user7@example.com"]
+
+
+def test_a_dry_run_of_several_campaigns_applies_priority_as_the_run_does(lrig: LRig) -> None:
+    """Users 1-4 are in every audience; user 4 was emailed 12 hours ago. Campaign a (priority 1)
+    takes users 1-3, so b (priority 2) has nobody left; the exempt receipt (priority 3) counts all
+    four. The dry run (campaigns passed out of order) reports what the real run then reports."""
+    now = db_now(lrig.db)
+    for uid in range(1, 5):
+        add_user(lrig.db, uid)
+    plant_sent(lrig.db, 4, "x1", now - 12 * H)
+    receipt = dataclasses.replace(simple_campaign("receipt", 3), exempt=True)
+    campaigns = [simple_campaign("b", 2), receipt, simple_campaign("a", 1)]
+    renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
+    interval = live_interval(lrig.db)
+    preview = lrig.store().preview(campaigns, interval, renderer, sample=2)
+    assert [(p["campaign"], p["eligible"], len(p["sample"])) for p in preview] == [("a", 3, 2), ("b", 0, 0),
+                                                                                   ("receipt", 4, 2)]
+    assert lrig.db.execute("select count(*) from mail.send_log").fetchone() == (1,)
+    summaries = lrig.run(campaigns, interval=interval)
+    assert [(s.campaign, s.eligible, s.minted) for s in summaries] == [("a", 3, 3), ("b", 0, 0), ("receipt", 4, 4)]

@@ -57,6 +57,13 @@ select count(*) from (
 {eligible}
 ) as e
 
+-- name: audience_ids
+-- The eligible audience's user ids (the dry run: store.preview takes out, in priority order, the
+-- users an earlier campaign of the run would claim).
+select e.user_id from (
+{eligible}
+) as e
+
 -- name: mint
 -- Mint one chunk as claimed ('sending') rows, under the contact guard (the caller holds the users'
 -- mail.contact locks, has re-checked the policy and holds the addresses). ON CONFLICT DO NOTHING on
