@@ -8,7 +8,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -242,10 +242,10 @@ def test_a_deferral_skips_a_day_the_campaigns_own_plan_already_fills(srig: ts.Ri
     recipients(srig, cid, [(1, "user1@example.com")])
     srig.provision(cid)  # user 1: due since 2026-01-05
     plant_sent(srig.db, 1, "first_practice", now - 6 * D)
-    free_at = now - 6 * D + 7 * D
-    day = free_at.date()
-    for uid, at in ((2, datetime.combine(day, datetime.min.time(), free_at.tzinfo) + timedelta(minutes=1)),
-                    (3, datetime.combine(day, datetime.max.time(), free_at.tzinfo) - timedelta(minutes=5))):
+    free_at = (now - 6 * D + 7 * D).astimezone(UTC)
+    day = free_at.date()  # the plan day in the campaign's zone (UTC, windows from 00:00)
+    for uid, at in ((2, datetime.combine(day, datetime.min.time(), UTC) + timedelta(minutes=1)),
+                    (3, datetime.combine(day, datetime.max.time(), UTC) - timedelta(minutes=5))):
         srig.db.execute("insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
                         " values (%s, 'outreach_test', 'scheduled', %s, 'pending', %s)",
                         (uid, f"user{uid}@example.com", at))
@@ -254,7 +254,7 @@ def test_a_deferral_skips_a_day_the_campaigns_own_plan_already_fills(srig: ts.Ri
     [row] = srig.rows("campaign = 'outreach_test' and user_id = 1")
     spec = scheduled.plan_spec(srig.campaign_row(cid))
     assert row["status"] == "pending" and plan_day(spec, row["scheduled_at"]) == day + D
-    assert row["scheduled_at"].time() < datetime.strptime("23:59", "%H:%M").time()
+    assert row["scheduled_at"].astimezone(UTC).time() < datetime.strptime("23:59", "%H:%M").time()
 
 
 def test_scheduled_skip_and_ignore(srig: ts.Rig) -> None:
