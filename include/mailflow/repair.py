@@ -13,7 +13,9 @@ Runs every 30 minutes (``reconcile_send_log``). In order, each step a guarded, i
    result if it had processed it; the answer is applied by index like any send. Its sender is gone
    and may have written the request, so its rows are ambiguous from the claim on: a 5xx, 429, 4xx
    or the reconciler's own budget leaves them ``sending`` with their key (never released); only a
-   2xx resolves them. The request slot is reserved before the claim, inside the budget.
+   2xx resolves them. The request slot is reserved before the claim, inside the budget. A strict
+   batch refused whole by validation is sent again with the same key and bytes in permissive mode
+   (its rows may not be re-keyed; the refusal proves the key holds no accepted request).
 
 Whole-request failures never charge users (docs/model.md), so there is no "attempts exhausted"
 step. Dead letters found in step 3 are returned so the DAG can alert through a notifier.
@@ -22,6 +24,7 @@ Running it twice changes nothing the second time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -31,7 +34,7 @@ import psycopg
 
 from mailflow.clock import Clock, SystemClock
 from mailflow.engine import BatchProvider, _send, reserve_slot
-from mailflow.model import NotSent, PreparedBatch, RunContext
+from mailflow.model import NotSent, PreparedBatch, Refused, RunContext
 from mailflow.sql import query
 from mailflow.store import PostgresStore, mask_email
 
@@ -116,6 +119,15 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
                               body=bytes(body), validation=validation)
         outcome = _send(provider, batch, deadline, slot)
         slot = None
+        if isinstance(outcome, Refused):
+            # Strict validation refused the stored request as a whole. Its key holds no accepted
+            # request (the provider would have replayed that answer for the same key and bytes), but
+            # the rows are ambiguous and are never re-keyed: the SAME bytes go again under the SAME
+            # key in permissive mode, whose answer names the refused emails by index (docs/model.md).
+            log.info("batch %s refused by strict validation (%s); resending it permissive under the same key",
+                     key, outcome.reason)
+            batch = dataclasses.replace(batch, validation="permissive")
+            outcome = _send(provider, batch, deadline, None)
         # Rows of the batch that are no longer 'sending' are skipped by the guarded updates.
         applied = store.apply(batch, outcome, run)
         s.batches_resent += 1

@@ -235,6 +235,34 @@ def test_strict_refusal_without_index_resends_the_chunk_permissive_under_a_new_k
     assert sorted(deliveries_per_user(rig)) == ["user1@example.com", "user3@example.com"]
 
 
+def test_strict_refusal_of_a_stale_ambiguous_batch_is_resent_permissive_under_the_same_key(rig: Rig) -> None:
+    # A strict sender died after minting; its stale batch is ambiguous for the reconciler, so it
+    # cannot be re-rendered under a new key. Before the fix the resend was refused on every run and
+    # the good emails of the chunk stayed `sending` until they became dead letters.
+    for uid in (1, 2, 3):
+        add_user(rig.db, uid, first_name="" if uid == 2 else None)
+    c = dataclasses.replace(simple_campaign("a", 1), subject="{{ user.first_name }}")
+    renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
+    minted = rig.store().mint_chunk(c, c.window(INTERVAL), INTERVAL.end - c.cooldown, after=0, limit=10, run=RUN,
+                                    interval=(INTERVAL.start, INTERVAL.end), prepare=partial(renderer.prepare_batch, c))
+    assert minted.batch is not None  # ... and the sender dies here
+    age_claims(rig)
+    strict = rig.client()
+    strict.validation = "strict"
+    rep = repair(rig, client=strict)
+    assert (rep.batches_resent, rep.resent_sent, rep.resent_failed, rep.resent_still_unknown) == (1, 2, 1, 0)
+    rows = rig.rows()
+    assert [(r["user_id"], r["status"], r["idempotency_key"]) for r in rows] == [
+        (1, "sent", minted.batch.idempotency_key), (2, "failed", minted.batch.idempotency_key),
+        (3, "sent", minted.batch.idempotency_key)]
+    assert "Invalid `subject` field" in rows[1]["error"] and rows[1]["dead_lettered_at"] is None
+    assert rig.db.execute("select count(*) from mail.send_batch").fetchone()[0] == 1  # type: ignore[index]
+    assert deliveries_per_user(rig) == Counter({"user1@example.com": 1, "user3@example.com": 1})
+    assert rig.emulator.stats()["conflicts"] == {}
+    age_claims(rig)
+    assert repair(rig, client=strict).batches_resent == 0  # resolved for good
+
+
 # -- idempotency keys -----------------------------------------------------------------------------
 
 def test_idempotency_keys_never_collide_across_databases_sharing_one_provider(rig: Rig, pg_admin_dsn: str) -> None:
