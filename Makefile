@@ -36,7 +36,7 @@ lint: venv       ## ruff (incl. Airflow AIR rules) and mypy on the engine
 bench: venv      ## benchmarks against a real Postgres and the emulator (not part of `make test`)
 	$(PY) -m bench
 
-chaos: venv      ## kill the sender 200 times at random points + provider faults; then the contact-policy race (CONTACT_CHAOS_ARGS); exit 1 if an invariant breaks
+chaos: venv      ## 200 kills of sender/dispatcher/reconciler under every provider fault kind (CHAOS_ARGS="--kills N --dsn ..."); then the contact-policy race (CONTACT_CHAOS_ARGS); exit 1 if an invariant breaks
 	$(PY) -m mailflow.chaos $(CHAOS_ARGS)
 	$(PY) -m mailflow.contact_chaos $(CONTACT_CHAOS_ARGS)
 
