@@ -634,7 +634,7 @@ def _feedback(dsn: str, team: Team) -> dict[str, int]:
     with psycopg.connect(dsn) as conn, ResendClient(team.base_url, API_KEY, pacer=PostgresPacer(
             lambda: psycopg.connect(dsn), "chaos-feedback", requests_per_second=500, target_fraction=1.0),
             timeout=httpx.Timeout(5.0)) as client:
-        s = poll_feedback(conn, client, min_age=timedelta(0), limit=100, budget_seconds=120)  # a sample
+        s = poll_feedback(conn, client, min_age=timedelta(0), limit=50, budget_seconds=120)  # a sample
         client.pacer.close()  # type: ignore[attr-defined]
     return {"checked": s.checked, "provider_suppressed": s.provider_suppressed, "failed": s.failed,
             "recipient_mismatch": s.mismatched, "suppressed": s.suppressed}
@@ -665,7 +665,8 @@ def _noise(base_url: str, rate: float) -> Iterator[None]:
 
 
 def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, chunk_size: int,
-                 error_log: Path, out: Callable[[str], None], step_minutes: float = 10.0) -> ScenarioReport:
+                 error_log: Path, out: Callable[[str], None], step_minutes: float = 10.0,
+                 settle: bool = True) -> ScenarioReport:
     """Fault phase with ``kills`` kills, recovery, audit; returns the scenario's report."""
     t0 = time.monotonic()
     rng = random.Random(f"{seed}-{scn.name}")
@@ -685,6 +686,14 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
             campaigns = (dataclasses.replace(first, subject="{{ user.first_name }}"), *campaigns[1:])
         conflicts0 = int(emu.emu.stats()["conflicts"].get("invalid_idempotent_request", 0))
     r = Runner(scn, dsn, emu, rng, chunk_size, campaigns, error_log, report)
+    phases: dict[str, float] = {"setup": time.monotonic() - t0}
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        phases[name] = round(time.monotonic() - mark, 1)
+        mark = time.monotonic()
+
     faults = _scenario_faults(scn, emails, rng)
     emu.configure(**(FAULTS_OFF | faults))
     if scn.driver == "outage":
@@ -696,14 +705,17 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
             _kill_phase(r, kills)
     else:
         _kill_phase(r, kills)
+    phase("faults")
     keep = {k: v for k, v in faults.items() if k in ("suppress", "fail", "scramble_order")}
     emu.configure(**(FAULTS_OFF | keep))
     report.recovery_rounds = recover(r)
-    if not scn.real_clock:
+    if settle and not scn.real_clock:
         r.advance(3600)  # an hour later, one more round: nothing may change
         recover(r, max_rounds=1)
+    phase("recovery")
     if keep:
         report.info["feedback"] = _feedback(dsn, emu)
+        phase("feedback")
     conflicts = int(emu.emu.stats()["conflicts"].get("invalid_idempotent_request", 0)) - conflicts0
     lines = [d for d in emu.emu.read_outbox() if str(d.get("idempotency_key") or "").startswith(f"mf-{inst}-")]
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -712,11 +724,14 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
             "select status || case when dead_lettered_at is not null then '+dead_letter'"
             " when released_at is not null then '+released' else '' end, count(*)"
             " from mail.send_log group by 1 order by 1").fetchall())
+    phase("audit")
+    report.info["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
     report.invariants = {k: result[k] for k in COLUMNS}
     report.info |= {k: result[k] for k in result if k not in COLUMNS}
     report.seconds = round(time.monotonic() - t0, 1)
     out(f"  {scn.name}: {report.kills} kills, {report.runs} runs ({report.recovery_rounds} recovery rounds), "
-        f"{report.info['delivered']} delivered, {report.seconds} s; states {report.info['states']}"
+        f"{report.info['delivered']} delivered, {report.seconds} s {report.info['phase_seconds']}; "
+        f"states {report.info['states']}"
         + (f"; feedback {report.info['feedback']}" if "feedback" in report.info else "")
         + (f"; VIOLATED {bad}" if (bad := {k: v for k, v in report.invariants.items() if v}) else "")
         + (f"; wrongly failed {report.info['wrongly_failed']}" if report.info["wrongly_failed"] else ""))
@@ -739,8 +754,8 @@ def share_kills(kills: int, scenarios: tuple[Scenario, ...]) -> list[int]:
 
 
 def run_chaos(admin_dsn: str, *, kills: int = 200, users: int = 800, scheduled_users: int = 300, seed: int = 7,
-              chunk_size: int = 10, step_minutes: float = 10.0, scenarios: tuple[Scenario, ...] = SCENARIOS,
-              out: Callable[[str], None] = print) -> dict[str, Any]:
+              chunk_size: int = 10, step_minutes: float = 10.0, settle: bool = True,
+              scenarios: tuple[Scenario, ...] = SCENARIOS, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every scenario on scratch databases of the server ``admin_dsn`` (created and dropped
     here); return the report: ``scenarios`` (one dict per fault kind), ``totals``, ``kills``.
 
@@ -748,6 +763,7 @@ def run_chaos(admin_dsn: str, *, kills: int = 200, users: int = 800, scheduled_u
     :param scheduled_users: due scheduled rows per scenario database (the dispatcher's work).
     :param chunk_size: emails per batch request.
     :param step_minutes: simulated minutes between the outage's runs (the quota's: 1.5 times this).
+    :param settle: after recovery, one more round an hour (simulated) later that must change nothing.
     """
     from mailflow import devenv
 
@@ -758,6 +774,7 @@ def run_chaos(admin_dsn: str, *, kills: int = 200, users: int = 800, scheduled_u
     template = f"{prefix}_template"
     names: list[str] = [template]
     reports: list[ScenarioReport] = []
+    droppers: list[threading.Thread] = []
     try:
         tdsn = devenv.create_database(admin_dsn, template, exist_ok=False)
         build_template(tdsn, users=users, scheduled_users=scheduled_users, seed=seed, workdir=workdir)
@@ -773,13 +790,17 @@ def run_chaos(admin_dsn: str, *, kills: int = 200, users: int = 800, scheduled_u
                 names.append(name)
                 dsn = scenario_db(admin_dsn, template, name)
                 rep = run_scenario(scn, dsn, emu, kills=share + carry, seed=seed, chunk_size=chunk_size,
-                                   error_log=error_log, out=out, step_minutes=step_minutes)
+                                   error_log=error_log, out=out, step_minutes=step_minutes, settle=settle)
                 carry = share + carry - rep.kills
                 reports.append(rep)
-                devenv.drop_database(admin_dsn, name)
+                dropper = threading.Thread(target=devenv.drop_database, args=(admin_dsn, name))
+                dropper.start()  # while the next scenario runs
+                droppers.append(dropper)
             emulator_stats = process.stats()
         errors = error_log.read_text(encoding="utf-8") if error_log.exists() else ""
     finally:
+        for dropper in droppers:
+            dropper.join()
         for name in names:
             try:
                 devenv.drop_database(admin_dsn, name)
