@@ -67,7 +67,7 @@ from psycopg.types.json import Jsonb
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
 from mailflow.clock import Clock, SystemClock
-from mailflow.engine import MAX_BATCH, reserve_slot, send_chunk
+from mailflow.engine import MAX_BATCH, ChunkPipeline, InFlight, release_unsent, reserve_slot, send_chunk
 from mailflow.model import (
     Accepted,
     MintedRow,
@@ -955,6 +955,13 @@ class _Dispatcher:
         campaign = claim.campaign
         outcome, applied, batch = send_chunk(self.store, provider, partial(self.prepare, campaign),
                                              claim.batch, claim.rows, deadline, self.run, slot)
+        self.count(claim, outcome, applied, batch, summary)
+        return outcome
+
+    def count(self, claim: _Claim, outcome: Outcome, applied: Any, batch: PreparedBatch,
+              summary: DispatchSummary) -> None:
+        """Add one sent chunk's row changes to ``summary`` and log them."""
+        campaign = claim.campaign
         summary.sent += applied.sent
         summary.failed += applied.failed
         summary.released += applied.released
@@ -964,14 +971,14 @@ class _Dispatcher:
         log.info("%s batch %s: %d emails -> %d sent, %d rejected, %d released, %d unknown%s", campaign.name,
                  batch.idempotency_key, len(batch.row_ids), applied.sent, applied.failed, applied.released,
                  applied.unknown, "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
-        return outcome
 
 
 def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
              budget_seconds: float = DISPATCH_BUDGET_SECONDS, coalesce_seconds: float = COALESCE_SECONDS,
              poll_seconds: float = POLL_SECONDS, batch_size: int = BATCH_SIZE,
              send_grace_seconds: float = SEND_GRACE_SECONDS, clock: Clock | None = None,
-             run: RunContext | None = None, policy: ContactPolicy | None = None) -> DispatchSummary:
+             run: RunContext | None = None, policy: ContactPolicy | None = None,
+             pipelined: bool = False) -> DispatchSummary:
     """Send due scheduled rows until nothing is due within the budget, or the budget is spent.
 
     Loop: ask the database how long until a claim is worth it (the earliest due row has waited
@@ -991,6 +998,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     :param budget_seconds: no new claim or wait starts after this many seconds (monotonic).
     :param batch_size: emails per request, 1-100.
     :param policy: the contact policy (default: ``[policy]`` of ``campaigns/lifecycle.toml``).
+    :param pipelined: claim, render and store batch N+1 while batch N is in flight
+        (:class:`mailflow.engine.ChunkPipeline`: one batch in flight, its answer applied on ``conn``;
+        a crash leaves at most two claimed batches, both with their bytes, for the reconciler).
     :raises SendError: after recording everything, if the provider refused the key, an
         idempotency conflict needs a person, or an email could not be rendered (a recipient's
         snapshot lacks a template variable: that row is marked ``failed``, the others are sent).
@@ -1006,58 +1016,103 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     deadline = t0 + budget_seconds
     fatal: list[str] = []
     slot: float | None = None
-    while True:
-        remaining = deadline - clock.monotonic()
-        if remaining <= 0:
-            summary.stopped = "time budget"
-            break
-        wait = d.due_wait(coalesce_seconds)
-        if wait is None:
-            break  # nothing pending in any active campaign
-        if wait > 0:
-            if wait >= remaining:
-                break  # the next claim falls after this run's budget: free the worker slot
-            nap = min(wait, poll_seconds)
-            clock.sleep(nap)
-            summary.idle_seconds += nap
-            continue
-        # The budget covers the wait for the request slot, checked BEFORE claiming: a claimed batch
-        # is always sent (its first attempt starts at the reserved slot).
-        if slot is None:
-            slot = reserve_slot(provider, deadline + send_grace_seconds, clock)
-        if slot is None:
-            summary.stopped = "time budget"
-            break
-        suppressed, claim = d.claim()
-        summary.suppressed += suppressed
-        if claim is None:
-            if not suppressed:
-                # every due row is held by another dispatcher: look again shortly
-                nap = min(0.2, remaining)
-                clock.sleep(nap)
-                summary.idle_seconds += nap
-            continue
-        summary.deferred += claim.decided.get("deferred", 0)
-        summary.skipped += claim.decided.get("skipped", 0)
-        summary.invalid += claim.decided.get("failed", 0)
-        summary.duplicates += claim.decided.get("duplicate", 0)
-        summary.render_failed += claim.render_failed
-        if claim.render_failed:
-            fatal.append(f"{claim.campaign.name}: {claim.render_failed} email(s) could not be rendered and "
-                         f"were marked failed ({claim.render_errors[0]})")
-        summary.claimed += len(claim.rows) + claim.render_failed
-        if claim.batch is None:
-            continue
-        summary.batches += 1
-        outcome = d.send(claim, provider, deadline + send_grace_seconds, summary, slot)
-        slot = None
+    pipe = ChunkPipeline(d.store, provider, run, enabled=pipelined)
+
+    def drain() -> str | None:
+        """Collect the batch in flight (if any); the reason the run stops, if its answer says so."""
+        done = pipe.collect()
+        if done is None:
+            return None
+        chunk, outcome, applied, batch = done
+        claim = chunk.tag
+        assert isinstance(claim, _Claim)
+        d.count(claim, outcome, applied, batch, summary)
         if isinstance(outcome, NotSent | Unknown | Refused):
             if outcome.fatal:
                 fatal.append(f"{claim.campaign.name}: {outcome.reason}")
             if outcome.stop_run or isinstance(outcome, NotSent):
                 # a whole-request failure that will repeat stops the run at once (docs/model.md)
-                summary.stopped = outcome.stop_run or outcome.reason
+                return outcome.stop_run or outcome.reason
+        return None
+
+    try:
+        while True:
+            remaining = deadline - clock.monotonic()
+            if remaining <= 0:
+                summary.stopped = "time budget"
                 break
+            wait = d.due_wait(coalesce_seconds)
+            if wait is None:
+                break  # nothing pending in any active campaign
+            if wait > 0:
+                if pipe.busy:  # nothing to prepare meanwhile: take the answer of the batch in flight
+                    stop = drain()
+                    if stop:
+                        summary.stopped = stop
+                        break
+                    continue
+                if wait >= remaining:
+                    break  # the next claim falls after this run's budget: free the worker slot
+                nap = min(wait, poll_seconds)
+                clock.sleep(nap)
+                summary.idle_seconds += nap
+                continue
+            # The budget covers the wait for the request slot, checked BEFORE claiming: a claimed batch
+            # is always sent (its first attempt starts at the reserved slot).
+            if slot is None:
+                slot = reserve_slot(provider, deadline + send_grace_seconds, clock)
+            if slot is None:
+                summary.stopped = "time budget"
+                break
+            suppressed, claim = d.claim()
+            summary.suppressed += suppressed
+            if claim is None:
+                if pipe.busy:
+                    stop = drain()
+                    if stop:
+                        summary.stopped = stop
+                        break
+                elif not suppressed:
+                    # every due row is held by another dispatcher: look again shortly
+                    nap = min(0.2, remaining)
+                    clock.sleep(nap)
+                    summary.idle_seconds += nap
+                continue
+            summary.deferred += claim.decided.get("deferred", 0)
+            summary.skipped += claim.decided.get("skipped", 0)
+            summary.invalid += claim.decided.get("failed", 0)
+            summary.duplicates += claim.decided.get("duplicate", 0)
+            summary.render_failed += claim.render_failed
+            if claim.render_failed:
+                fatal.append(f"{claim.campaign.name}: {claim.render_failed} email(s) could not be rendered and "
+                             f"were marked failed ({claim.render_errors[0]})")
+            summary.claimed += len(claim.rows) + claim.render_failed
+            if claim.batch is None:
+                continue
+            summary.batches += 1
+            chunk = InFlight(claim.batch, claim.rows, partial(d.prepare, claim.campaign),
+                             deadline + send_grace_seconds, tag=claim)
+            stop = drain()  # one batch in flight at a time: the previous one's answer first
+            if stop:
+                summary.released += release_unsent(d.store, chunk, f"the run stopped ({stop})", run).released
+                summary.stopped = stop
+                break
+            pipe.submit(chunk, slot)
+            slot = None
+            if not pipe.pipelined:  # unpipelined: the answer is applied before the next claim
+                stop = drain()
+                if stop:
+                    summary.stopped = stop
+                    break
+        stop = drain()
+        if stop and not summary.stopped:
+            summary.stopped = stop
+    finally:
+        try:
+            if pipe.busy:
+                drain()
+        finally:
+            pipe.close()
     summary.completed = complete(conn, actor=_actor(run, "dispatcher"))
     summary.seconds = clock.monotonic() - t0
     log.info("dispatch: %s", summary.as_dict())
@@ -1108,7 +1163,8 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
         try:
             summary = dispatch(conn, client, renderer, run=_run_context(context),
                                budget_seconds=budget,
-                               coalesce_seconds=float(params.get("coalesce_seconds", COALESCE_SECONDS)))
+                               coalesce_seconds=float(params.get("coalesce_seconds", COALESCE_SECONDS)),
+                               pipelined=settings.pipelined())
         finally:
             client.close()
             log.info("provider requests: %s", client.stats)

@@ -31,3 +31,9 @@ def app_url() -> str:
 def stale_after_seconds() -> float:
     """A ``sending`` claim older than this is stale (``MAILFLOW_STALE_AFTER_SECONDS``, 900 = 15 min)."""
     return float(os.environ.get("MAILFLOW_STALE_AFTER_SECONDS", "900"))
+
+
+def pipelined() -> bool:
+    """Pipelined sending in the DAG tasks (``MAILFLOW_PIPELINED``, default on; ``0``/``false``/``no``
+    turns it off): chunk N+1 is prepared while chunk N is in flight (docs/performance.md)."""
+    return os.environ.get("MAILFLOW_PIPELINED", "1").strip().lower() not in ("0", "false", "no", "off")

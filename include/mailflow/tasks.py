@@ -131,7 +131,8 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
                                       budget_seconds=budget,
                                       chunk_size=int(params.get("chunk_size", 100)),
                                       now=conn.execute("select now()").fetchone()[0],
-                                      allow_old_interval=bool(params.get("allow_old_interval", False)))
+                                      allow_old_interval=bool(params.get("allow_old_interval", False)),
+                                      pipelined=settings.pipelined())
         except SendError as exc:
             for s in exc.summaries:
                 log.error("summary: %s", s.as_dict())

@@ -127,6 +127,9 @@ class PostgresPacer:
         self.learned_limit: float | None = None
         self._connect = connect
         self._conn: psycopg.Connection | None = None
+        # one connection, used by the engine's thread (reserve_slot) and by the pipelined send's
+        # background thread (claim, observe, push_back): one statement at a time
+        self._lock = threading.RLock()
 
     def _db(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed:
@@ -135,10 +138,11 @@ class PostgresPacer:
         return self._conn
 
     def claim(self) -> float:
-        row = self._db().execute(query("pacing", "claim_slot"),
-                                 {"account": self.account, "rps": float(self.configured),
-                                  "fraction": float(self.target_fraction),
-                                  "recovery": PENALTY_RECOVERY_SECONDS}).fetchone()
+        with self._lock:
+            row = self._db().execute(query("pacing", "claim_slot"),
+                                     {"account": self.account, "rps": float(self.configured),
+                                      "fraction": float(self.target_fraction),
+                                      "recovery": PENALTY_RECOVERY_SECONDS}).fetchone()
         assert row is not None
         slot, db_now, spacing, learned = row
         self.spacing = float(spacing)
@@ -147,9 +151,10 @@ class PostgresPacer:
         return max((slot - db_now).total_seconds(), 0.0)
 
     def push_back(self, seconds: float) -> None:
-        self._db().execute(query("pacing", "rate_limited"),
-                           {"account": self.account, "seconds": float(seconds), "step": PENALTY_STEP,
-                            "max_penalty": MAX_PENALTY, "recovery": PENALTY_RECOVERY_SECONDS})
+        with self._lock:
+            self._db().execute(query("pacing", "rate_limited"),
+                               {"account": self.account, "seconds": float(seconds), "step": PENALTY_STEP,
+                                "max_penalty": MAX_PENALTY, "recovery": PENALTY_RECOVERY_SECONDS})
 
     def observe(self, headers: Mapping[str, str]) -> None:
         limit = parse_limit(headers)
@@ -157,28 +162,32 @@ class PostgresPacer:
             if limit < self.configured:
                 log.warning("provider reports a limit of %s requests/s on %s, below the configured %s: "
                             "every sender of the account adopts it", limit, self.account, self.configured)
-            self._db().execute(query("pacing", "observe_limit"), {"account": self.account, "limit": limit})
+            with self._lock:
+                self._db().execute(query("pacing", "observe_limit"), {"account": self.account, "limit": limit})
             self.learned_limit = limit
             self.requests_per_second = min(self.configured, limit)
             self.spacing = spacing_for(self.requests_per_second, self.target_fraction)
         hold = remaining_zero_hold(headers, self.learned_limit or self.requests_per_second)
         if hold is not None:
-            self._db().execute(query("pacing", "push_back"), {"account": self.account, "seconds": hold})
+            with self._lock:
+                self._db().execute(query("pacing", "push_back"), {"account": self.account, "seconds": hold})
 
     def learned(self) -> dict[str, object] | None:
         """The account's row: ``limit_per_second`` (requests/s or None), ``penalty_now`` (0-0.5),
         ``rate_limited_total``, ``last_rate_limited_at``, ``spacing`` (s), ``next_slot``; None if
         no sender has used the account yet."""
-        cur = self._db().execute(query("pacing", "learned"),
-                                 {"account": self.account, "recovery": PENALTY_RECOVERY_SECONDS})
-        row = cur.fetchone()
+        with self._lock:
+            cur = self._db().execute(query("pacing", "learned"),
+                                     {"account": self.account, "recovery": PENALTY_RECOVERY_SECONDS})
+            row = cur.fetchone()
         if row is None:
             return None
         return dict(zip([d.name for d in cur.description or ()], row, strict=True))
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
 
 
 class LocalPacer:

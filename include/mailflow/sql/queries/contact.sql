@@ -34,6 +34,12 @@ order by c.user_id, c.id
 select lower(s.email) from mail.suppression s
 where lower(s.email) = any(%(keys)s::text[]) and s.scope in ('all', %(campaign)s)
 
+-- name: suppressed_users
+-- Which of these users are suppressed (by user: an unsubscribe) for all mail or for this campaign:
+-- the mint's re-check of a page read from the run's audience snapshot, which may have aged.
+select s.user_id from mail.suppression s
+where s.user_id = any(%(ids)s::bigint[]) and s.scope in ('all', %(campaign)s)
+
 -- name: db_now
 -- The database clock (the claim's "now").
 select now()
