@@ -6,22 +6,27 @@ each lifecycle campaign, with the parameters of the hourly run that ends at :dat
 (the campaign's own window, cooldown since ``end - cooldown``, ``MAILFLOW_MAX_ATTEMPTS``), the real
 composed SQL of :class:`~mailflow.store.PostgresStore` is timed from the client:
 
-* ``audience_count`` (what the engine runs once per campaign per run), median of ``REPS``;
-* ``audience_page``: the first page of 100 (median of ``REPS``) and the next ``NEXT_PAGES`` keyset
-  pages on the same connection (psycopg prepares a statement after 5 executions, as in a run);
-* ``EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON)`` of both: the plan must not read
-  ``mail.send_log`` with a Seq Scan (every exclusion probe is an index probe); seq scans of the
-  small ``mail.suppression`` are reported, not failed. JIT compile time is reported.
+* ``audience_snapshot``: ``PostgresStore.open_audience``, the run's one evaluation of the eligible
+  audience into a temporary table (fill: the audience minus dedupe and suppression; then the
+  contact policy in one pass over the candidates' contacts), median of ``REPS``; its size is the
+  run's ``eligible`` (there is no separate ``count(*)`` in a run any more);
+* ``audience_page``: the first page of 100 from the snapshot (median of ``REPS``) and the next
+  ``NEXT_PAGES`` keyset pages;
+* ``EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON)`` of the snapshot's statements: the plans must
+  not read ``mail.send_log`` with a Seq Scan; seq scans of the small ``mail.suppression`` (and of
+  ``app.users`` where an audience file reads most users, e.g. ``upgrade_offer``'s free plan) are
+  reported, not failed;
+* ``audience_dry_run_count``: ``audience_count`` (dry runs and ``preview`` only), once.
 
 Then the example queries of ``docs/send_log.md`` (```sql blocks) and the ``mail`` views (each filtered
 the way its comment says is index-backed) are run and checked the same way, if they exist.
 Last, ``run_lifecycle`` with the instant provider for ``SCALE_CHUNKS`` chunks per campaign at this
-scale: metric 3 with production-size tables.
+scale: metric 3 with production-size tables, with its breakdown per chunk (page, mint, render,
+store, apply).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from datetime import timedelta
@@ -37,48 +42,13 @@ from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.engine import run_lifecycle
 from mailflow.model import DataInterval, RunContext
 from mailflow.sql import query as named_query
-from mailflow.store import PostgresStore, caps_sql
+from mailflow.store import PostgresStore, caps_sql, eligible_sql
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 1.0
 NEXT_PAGES = 11
 SCALE_CHUNKS = 10
 EXPLAIN = pgsql.SQL("explain (analyze, buffers, timing off, format json) ")
-
-#: A candidate rewrite of practice_tips (same rows: the OR of two windows as a UNION of two index
-#: range scans), measured next to the shipped SQL; not used by the product.
-PRACTICE_TIPS_UNION = """
-select u.user_id, u.email, u.first_name, r.kind as recent_kind
-from app.users u
-left join lateral (
-        select a.kind from app.assessments a
-        where a.user_id = u.user_id and a.started_at >= %(window_start)s and a.started_at < %(window_end)s
-        order by a.started_at desc, a.assessment_id desc
-        limit 1) r on true
-where u.user_id in (select x.user_id from app.users x
-                    where x.last_active_at >= %(window_start)s and x.last_active_at < %(window_end)s
-                    union
-                    select a.user_id from app.assessments a
-                    where a.started_at >= %(window_start)s and a.started_at < %(window_end)s)
-"""
-
-
-#: The cooldown exclusion of lifecycle.eligible as shipped, and a candidate split into two anti-joins
-#: (same rows): "sent since cooldown_since" alone can use the sent_at index and be hashed once,
-#: instead of one probe per candidate. Measured next to the shipped SQL; not used by the product.
-COOLDOWN_SHIPPED = """  and not exists (select 1 from mail.send_log c
-                  where c.user_id = a.user_id
-                    and c.status in ('pending', 'sending', 'sent')
-                    and case c.status
-                          when 'sent' then c.sent_at >= %(cooldown_since)s
-                          when 'pending' then coalesce(c.scheduled_at, c.minted_at) < %(cooldown_until)s
-                          else true end)"""
-COOLDOWN_SPLIT = """  and not exists (select 1 from mail.send_log c
-                  where c.user_id = a.user_id and c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
-  and not exists (select 1 from mail.send_log c
-                  where c.user_id = a.user_id and c.status in ('pending', 'sending')
-                    and (c.status = 'sending' or coalesce(c.scheduled_at, c.minted_at) < %(cooldown_until)s))"""
-
 
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     out = [node]
@@ -115,17 +85,42 @@ def _timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, r
 
 
+def snapshot_plans(conn: psycopg.Connection, c: Campaign, params: dict[str, Any]) -> dict[str, Any]:
+    """EXPLAIN ANALYZE of the snapshot's two statements (fill, then the contact-policy pass) in a
+    transaction that is rolled back (the temp table goes with it)."""
+    ident = pgsql.Identifier("pg_temp", "bench_snapshot_plan")
+    out: dict[str, Any] = {}
+    try:
+        with conn.transaction(force_rollback=True):
+            conn.execute("set local jit = off")  # as PostgresStore.open_audience
+            conn.execute(pgsql.SQL(named_query("lifecycle", "snapshot_create")).format(snapshot=ident))
+            out["fill"] = plan_summary(conn.execute(EXPLAIN + pgsql.SQL(named_query("lifecycle", "snapshot_fill")).format(
+                snapshot=ident, eligible=eligible_sql(c, policy=False)), params).fetchone()[0])
+            if not c.exempt:
+                conn.execute(pgsql.SQL(named_query("lifecycle", "snapshot_analyze")).format(snapshot=ident))
+                out["policy"] = plan_summary(conn.execute(EXPLAIN + pgsql.SQL(named_query("lifecycle", "snapshot_policy")).format(
+                    snapshot=ident, caps=caps_sql(c.contact_policy, "snapshot_cap")), params).fetchone()[0])
+    except psycopg.Error:
+        pass
+    return out
+
+
 def measure_campaign(conn: psycopg.Connection, store: PostgresStore, c: Campaign, interval: DataInterval,
                      reps: int) -> dict[str, Any]:
+    """The audience snapshot of one campaign (``open_audience``: evaluated once per run), median of
+    ``reps``; its pages; EXPLAIN of its statements; the dry-run ``audience_count`` once."""
     window, since = c.window(interval), interval.end - c.cooldown
     params = store._params(c, window, since)
-    count_sql = store._audience_sql("audience_count", c)
-    page_sql = store._audience_sql("audience_page", c)
-    counts = [_timed(lambda: store.count_audience(c, window, since)) for _ in range(reps)]
+    snaps = []
+    for _ in range(reps):
+        snaps.append(_timed(lambda: store.open_audience(c, window, since)))
+        if len(snaps) < reps:
+            store.close_audience(c)
+    page_sql = pgsql.SQL(named_query("lifecycle", "snapshot_page")).format(snapshot=store._snapshots[c.name])
 
     def page(after: int) -> list[tuple]:
         with conn.transaction():
-            return conn.execute(page_sql, params | {"after": after, "limit": 100}).fetchall()
+            return conn.execute(page_sql, {"after": after, "limit": 100}).fetchall()
 
     firsts = [_timed(lambda: page(0)) for _ in range(reps)]
     rows = firsts[-1][1]
@@ -133,15 +128,16 @@ def measure_campaign(conn: psycopg.Connection, store: PostgresStore, c: Campaign
     while rows and len(nexts) < NEXT_PAGES:
         dt, rows = _timed(lambda after=rows[-1][0]: page(after))
         nexts.append(dt)
-    with conn.transaction():
-        count_plan = plan_summary(conn.execute(EXPLAIN + count_sql, params).fetchone()[0])
-        page_plan = plan_summary(conn.execute(EXPLAIN + page_sql, params | {"after": 0, "limit": 100}).fetchone()[0])
+    store.close_audience(c)
+    plans = snapshot_plans(conn, c, params)
+    count_s, counted = _timed(lambda: store.count_audience(c, window, since))
     return {
-        "eligible": counts[0][1], "count_s": median([t for t, _ in counts]), "count_runs_s": [round(t, 3) for t, _ in counts],
+        "eligible": snaps[0][1], "snapshot_s": median([t for t, _ in snaps]),
+        "snapshot_runs_s": [round(t, 3) for t, _ in snaps],
         "page_s": median([t for t, _ in firsts]), "page_runs_s": [round(t, 3) for t, _ in firsts],
-        "next_pages": len(nexts), "next_page_p50_s": round(median(nexts), 4) if nexts else None,
-        "next_page_max_s": round(max(nexts), 4) if nexts else None,
-        "count_plan": count_plan, "page_plan": page_plan,
+        "next_pages": len(nexts), "next_page_p50_s": round(median(nexts), 5) if nexts else None,
+        "next_page_max_s": round(max(nexts), 5) if nexts else None,
+        "plans": plans, "dry_run_count_s": round(count_s, 3), "dry_run_count": counted,
         "window": [window[0].isoformat(), window[1].isoformat()], "cooldown_since": since.isoformat(),
     }
 
@@ -254,14 +250,25 @@ def measure_reads(conn: psycopg.Connection) -> list[dict[str, Any]]:
     return out
 
 
-def scale_pipeline(dsn: str, interval: DataInterval) -> dict[str, Any]:
-    """``run_lifecycle`` per campaign for ``SCALE_CHUNKS`` chunks on the big tables."""
+def scale_pipeline(dsn: str, interval: DataInterval, page_s: dict[str, float]) -> dict[str, Any]:
+    """``run_lifecycle`` per campaign for ``SCALE_CHUNKS`` chunks on the big tables (unpipelined,
+    provider excluded: the serial work per chunk). Breakdown per chunk from timers around
+    ``mint_chunk`` (page + guard + mint + render + store, one transaction), the renderer's
+    ``prepare_batch``, the store's batch save and ``apply``; the page is the snapshot's measured
+    next-page p50 (``page_s``); mint = the rest of ``mint_chunk`` (contact guard, INSERTs, events)."""
     per: dict[str, Any] = {}
     gaps: list[float] = []
     total_wall = total_chunks = 0.0
+    spans: dict[str, list[float]] = {"mint_chunk": [], "render": [], "store": [], "apply": [], "snapshot": []}
+    pages: list[float] = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         store = PostgresStore(conn)
         r = renderer()
+        _span(store, "open_audience", spans["snapshot"])
+        _span(store, "mint_chunk", spans["mint_chunk"])
+        _span(store, "_save_batch", spans["store"])
+        _span(store, "apply", spans["apply"])
+        _span(r, "prepare_batch", spans["render"])
         for c in load_campaigns():
             provider = InstantProvider()
             t0 = time.perf_counter()
@@ -270,43 +277,36 @@ def scale_pipeline(dsn: str, interval: DataInterval) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             g = [b - a for a, b in zip(provider.stamps, provider.stamps[1:], strict=False)]
             gaps += g
+            pages += [page_s.get(c.name, 0.0)] * provider.calls
             total_wall += wall
             total_chunks += provider.calls
             per[c.name] = {"chunks": provider.calls, "wall_s": round(wall, 2),
                            "p50_ms": round(median(g) * 1000, 1) if g else None}
+    n = max(total_chunks, 1)
+    page_ms = sum(pages) / n * 1000
+    ms = {k: sum(v) / n * 1000 for k, v in spans.items()}
+    breakdown = {"page (snapshot keyset)": round(page_ms, 2),
+                 "mint (contact guard, INSERTs, events)": round(ms["mint_chunk"] - ms["render"] - ms["store"] - page_ms, 2),
+                 "render (jinja2 + json)": round(ms["render"], 2), "store (batch bytes, key)": round(ms["store"], 2),
+                 "apply (reconcile by index + events)": round(ms["apply"], 2)}
     return {"p50_ms": median(gaps) * 1000 if gaps else float("nan"),
-            "mean_ms": total_wall / total_chunks * 1000 if total_chunks else float("nan"),
-            "chunks": int(total_chunks), "per_campaign": per}
+            "mean_ms": (total_wall - sum(spans["snapshot"])) / n * 1000,
+            "snapshots_s": round(sum(spans["snapshot"]), 2),
+            "chunks": int(total_chunks), "per_campaign": per, "breakdown_ms_per_chunk": breakdown}
 
 
-def snapshot_alternative(conn: psycopg.Connection, store: PostgresStore, c: Campaign, interval: DataInterval,
-                         shipped_next_page_s: float) -> dict[str, Any]:
-    """Materialise the eligible audience once (a temp table keyed by user_id), then page it: the
-    cost of a per-run snapshot and of its pages, next to the shipped per-page recomputation."""
-    window, since = c.window(interval), interval.end - c.cooldown
-    params = store._params(c, window, since)
-    eligible = pgsql.SQL(named_query("lifecycle", "eligible")).format(audience=pgsql.SQL(c.audience_sql),
-                                                                      caps=caps_sql(c.contact_policy))
-    table = pgsql.Identifier(f"bench_snapshot_{c.name}")
-    t0 = time.perf_counter()
-    with conn.transaction():
-        conn.execute(pgsql.SQL("create temp table {} as select e.user_id, e.email, e.context from (").format(table)
-                     + eligible + pgsql.SQL(") as e"), params)
-        conn.execute(pgsql.SQL("alter table {} add primary key (user_id)").format(table))
-        conn.execute(pgsql.SQL("analyze {}").format(table))
-    snap_s = time.perf_counter() - t0
-    page = pgsql.SQL("select user_id, email, context from {} where user_id > %s order by user_id limit 100").format(table)
-    after, times = 0, []
-    for _ in range(NEXT_PAGES):
-        dt, rows = _timed(lambda a=after: conn.execute(page, (a,)).fetchall())
-        if not rows:
-            break
-        times.append(dt)
-        after = rows[-1][0]
-    conn.execute(pgsql.SQL("drop table {}").format(table))
-    return metric(f"alt: audience page of {c.name} from a per-run snapshot", median(times), "s per page", None, None,
-                  snapshot_seconds=round(snap_s, 3), pages=len(times), shipped_next_page_p50_s=shipped_next_page_s,
-                  note="snapshot once per run (about one audience_count), then keyset pages of the temp table")
+def _span(obj: Any, name: str, sink: list[float]) -> None:
+    """Replace ``obj.name`` by a wrapper that appends each call's duration (s) to ``sink``."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            sink.append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)
 
 
 def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
@@ -326,79 +326,29 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
         with psycopg.connect(sdsn, autocommit=True) as conn:
             conn.execute("set statement_timeout = '300s'")
             store = PostgresStore(conn)
-            jitted: dict[str, float] = {}
-            shipped: dict[str, float] = {}
-            shipped_page: dict[str, float] = {}
-            next_pages: dict[str, float | None] = {}
+            next_pages: dict[str, float] = {}
             for c in load_campaigns():
                 m = measure_campaign(conn, store, c, interval, reps)
-                jitted[c.name] = m["count_plan"]["jit_ms"] or 0.0
-                shipped[c.name], shipped_page[c.name] = m["count_s"], m["page_s"]
-                next_pages[c.name] = m["next_page_p50_s"]
-                for kind in ("count", "page"):
-                    plan = m[f"{kind}_plan"]
-                    backed = "send_log" not in plan["seq_scans"]
-                    value = m[f"{kind}_s"]
-                    params = {k: v for k, v in m.items() if not k.endswith("_plan") and k not in ("count_s", "page_s")}
-                    out.append(metric(f"audience_{kind}_{c.name}", value, "s",
-                                      f"<= {TARGET_S:g} s, no Seq Scan on mail.send_log",
-                                      value <= TARGET_S and backed, **params, **plan, **scale))
-                print(f"    {c.name}: eligible {m['eligible']}, count {m['count_s']:.3f} s, page {m['page_s']:.3f} s,"
-                      f" next pages p50 {m['next_page_p50_s']} s", flush=True)
-            # Measured alternatives (not shipped): JIT off for the counts that JIT-compiled; practice_tips
-            # as a UNION of its two windows. One run each (the shipped SQL got REPS).
-            conn.execute("set jit = off")
-            for c in load_campaigns():
-                if not jitted.get(c.name):
-                    continue
-                window, since = c.window(interval), interval.end - c.cooldown
-                dt, _ = _timed(lambda c=c, w=window, s=since: store.count_audience(c, w, s))
-                out.append(metric(f"alt: audience_count_{c.name} with jit=off", dt, "s", None, None,
-                                  shipped_median_s=round(shipped[c.name], 3), jit_ms_shipped=jitted[c.name]))
-            conn.execute("reset jit")
-            tips = load_campaigns(only=["practice_tips"])[0]
-            alt = dataclasses.replace(tips, audience_sql=PRACTICE_TIPS_UNION.strip())
-            alt_store = PostgresStore(conn)
-            window, since = alt.window(interval), interval.end - alt.cooldown
-            dt, n = _timed(lambda: alt_store.count_audience(alt, window, since))
-            with conn.transaction():
-                plan = plan_summary(conn.execute(EXPLAIN + alt_store._audience_sql("audience_count", alt),
-                                                 alt_store._params(alt, window, since)).fetchone()[0])
-            out.append(metric("alt: audience_count_practice_tips as UNION", dt, "s", None, None, eligible=n,
-                              shipped_median_s=round(shipped["practice_tips"], 3), **plan))
-            with conn.transaction():
-                dt, _ = _timed(lambda: conn.execute(alt_store._audience_sql("audience_page", alt),
-                                                    alt_store._params(alt, window, since) | {"after": 0, "limit": 100}).fetchall())
-            out.append(metric("alt: audience_page_practice_tips as UNION", dt, "s", None, None,
-                              shipped_median_s=round(shipped_page["practice_tips"], 3)))
-            # Measured alternative (not shipped): the cooldown exclusion as two anti-joins, for the
-            # counts over the target. One EXPLAIN ANALYZE each (timing off): its wall time is the value.
-            eligible_sql = named_query("lifecycle", "eligible")
-            for c in load_campaigns():
-                if shipped[c.name] <= TARGET_S:
-                    continue
-                if COOLDOWN_SHIPPED not in eligible_sql:
-                    out.append(metric(f"alt: audience_count_{c.name} with the cooldown split", float("nan"), "s",
-                                      None, None, skipped="lifecycle.eligible changed: the variant no longer applies"))
-                    continue
-                split = pgsql.SQL(eligible_sql.replace(COOLDOWN_SHIPPED, COOLDOWN_SPLIT)).format(
-                    audience=pgsql.SQL(c.audience_sql), caps=caps_sql(c.contact_policy))
-                q = pgsql.SQL(named_query("lifecycle", "audience_count")).format(eligible=split)
-                window, since = c.window(interval), interval.end - c.cooldown
-                params = store._params(c, window, since)
-                with conn.transaction():
-                    dt, doc = _timed(lambda q=q, p=params: conn.execute(EXPLAIN + q, p).fetchone()[0])
-                out.append(metric(f"alt: audience_count_{c.name} with the cooldown split", dt, "s", None, None,
-                                  shipped_median_s=round(shipped[c.name], 3), **plan_summary(doc)))
-            # Measured alternative (not shipped): a per-run snapshot of the eligible audience, paged
-            # from a temp table, for the campaigns whose every page recomputes the whole audience.
-            for c in load_campaigns():
-                if (next_pages.get(c.name) or 0) < 0.05:
-                    continue
-                out.append(snapshot_alternative(conn, store, c, interval, next_pages[c.name]))
+                next_pages[c.name] = m["next_page_p50_s"] or m["page_s"]
+                seq = sorted({t for p in m["plans"].values() for t in p["seq_scans"]})
+                backed = "send_log" not in seq and bool(m["plans"])
+                params = {k: v for k, v in m.items() if k not in ("snapshot_s", "page_s")}
+                out.append(metric(f"audience_snapshot_{c.name}", m["snapshot_s"], "s (once per campaign per run)",
+                                  f"<= {TARGET_S:g} s, no Seq Scan on mail.send_log",
+                                  m["snapshot_s"] <= TARGET_S and backed, seq_scans=seq, **params, **scale))
+                out.append(metric(f"audience_page_{c.name}", m["page_s"], "s (a page of 100 from the snapshot)",
+                                  f"<= {TARGET_S:g} s", m["page_s"] <= TARGET_S,
+                                  next_page_p50_s=m["next_page_p50_s"], next_page_max_s=m["next_page_max_s"]))
+                out.append(metric(f"audience_dry_run_count_{c.name}", m["dry_run_count_s"], "s", None, None,
+                                  note="dry runs and preview only (the run reports the snapshot's size)",
+                                  eligible=m["dry_run_count"]))
+                print(f"    {c.name}: eligible {m['eligible']}, snapshot {m['snapshot_s']:.3f} s, page {m['page_s']:.4f} s,"
+                      f" next pages p50 {m['next_page_p50_s']} s, dry-run count {m['dry_run_count_s']} s; send_log seq"
+                      f" scans: {'send_log' in seq}", flush=True)
             out += measure_reads(conn)
-        sp = scale_pipeline(sdsn, interval)
+        sp = scale_pipeline(sdsn, interval, next_pages)
         out.append(metric("pipeline_ms_per_chunk_p50_at_scale", sp["p50_ms"], "ms per chunk of 100", "<= 20",
-                          sp["p50_ms"] <= 20, mean_ms_incl_counts=round(sp["mean_ms"], 1), chunks=sp["chunks"],
+                          sp["p50_ms"] <= 20, mean_ms_excl_snapshots=round(sp["mean_ms"], 1), chunks=sp["chunks"],
+                          snapshots_s=sp["snapshots_s"], breakdown_ms_per_chunk=sp["breakdown_ms_per_chunk"],
                           per_campaign=sp["per_campaign"], **scale))
     return out

@@ -1,19 +1,15 @@
 """Dispatch scans at 1,000,000 pending rows (issue 16, item 6): ``scheduled.cancel_suppressed_due``
-(run before every claim) and ``repair.dead_letter_exhausted`` (run by every reconcile run), the
-statements before and after the change, timed with ``EXPLAIN (ANALYZE, BUFFERS)`` inside a
-transaction that is rolled back (both statements write), median of 3.
+(run before every claim), the statement before and after the change, timed with
+``EXPLAIN (ANALYZE, BUFFERS)`` inside a transaction that is rolled back (it writes), median of 3.
+(Issue 12 removed the reconciler's dead-letter sweep, so there is no second scan to measure.)
 
 Population (generated in PostgreSQL, about a minute): one active scheduled campaign with 1,000,000
 pending rows, all due (a backlog: a paused campaign resumed, or a provider outage), over users
-1..1,000,000; 20,000 users suppressed by id and 2,000 by address (2.2%); 200,000 released
-lifecycle rows over the last 60 days (1-3 whole-request failures per user and campaign; a pair
-reaches 3 in ~1 of 4 cases, mostly long ago, so the old statement finds them all again every run);
-1,000,000 sent rows of history. ``VACUUM ANALYZE`` after the load.
+1..1,000,000; 20,000 users suppressed by id and 2,000 by address (2.2%); 1,000,000 sent rows of
+history. ``VACUUM ANALYZE`` after the load.
 
 ``python -m bench.dispatch_scans [--dsn DSN]`` prints the table; ``--quick`` uses 100,000 pending rows.
-Not part of ``make bench`` (it is a before/after measurement for one change). Issue 12 removed
-``repair.dead_letter_exhausted`` (whole-request failures no longer dead-letter anyone), so only
-``cancel_suppressed_due`` is measured now; the population still holds the released rows.
+Not part of ``make bench`` (it is a before/after measurement for one change).
 """
 
 from __future__ import annotations
@@ -54,28 +50,6 @@ from gone
 returning send_log_id
 """
 
-DEAD_LETTER_BEFORE = """
-with exhausted as (
-    select user_id, campaign, max(id) as id
-    from mail.send_log
-    where released_at is not null
-    group by user_id, campaign
-    having count(*) >= %(max_attempts)s and count(dead_lettered_at) = 0
-), changed as (
-    update mail.send_log l
-    set dead_lettered_at = now(),
-        error = l.error || ' (attempts exhausted: ' || %(max_attempts)s || ' whole-request failures)'
-    from exhausted e
-    where l.id = e.id and l.status = 'failed' and l.dead_lettered_at is null
-    returning l.id, l.user_id, l.campaign, l.email, l.error, l.attempts
-), ev as (
-    insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
-    select id, 'failed', 'failed', attempts, 'dead-lettered: ' || error, %(dag_id)s, %(run_id)s, %(task_id)s
-    from changed
-)
-select id, user_id, campaign, email, error from changed
-"""
-
 LOAD = [
     """insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)
        values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')""",
@@ -89,14 +63,6 @@ LOAD = [
        select g, 'first_practice', 'lifecycle', 'user' || g || '@example.com', 'sent',
               now() - interval '300 days' * random(), now() - interval '300 days' * random(), 'pm-' || g
        from generate_series(1, %(n)s) g""",
-    # released rows: 1-3 whole-request failures per (user, campaign), over the last 60 days
-    """insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, released_at, attempts, error)
-       select u, 'upgrade_offer', 'lifecycle', 'user' || u || '@example.com', 'failed',
-              t - interval '1 minute', t, 1, 'HTTP 422 validation_error'
-       from (select (g::bigint * 7919) %% %(n)s + 1 as u, k,
-                    now() - interval '60 days' * random() as t
-             from generate_series(1, %(pairs)s) g, generate_series(1, 3) k
-             where k <= 1 + (g %% 4 = 0)::int * 2 + (g %% 4 = 1)::int) x""",
     """insert into mail.suppression (user_id, scope, source)
        select (g::bigint * 104729) %% %(n)s + 1, 'all', 'unsubscribe' from generate_series(1, %(n)s / 50) g
        on conflict do nothing""",
@@ -104,14 +70,6 @@ LOAD = [
        select 'user' || ((g::bigint * 15485863) %% %(n)s + 1) || '@example.com', 'all', 'bounce'
        from generate_series(1, %(n)s / 500) g on conflict do nothing""",
 ]
-
-
-NEW_FAILURES = """
-insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, released_at, attempts, error)
-select %(n)s + g, 'finish_assessment', 'lifecycle', 'new' || g || '@example.com', 'failed',
-       now() - interval '1 hour' * k, now() - interval '1 hour' * k + interval '1 second', 1, 'HTTP 422'
-from generate_series(1, 50) g, generate_series(1, 3) k
-"""
 
 
 def _nodes(plan: dict, out: list[str] | None = None) -> list[str]:
@@ -139,24 +97,17 @@ def _buffers(plan: dict) -> int:
 
 def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
     n = 100_000 if quick else 1_000_000
-    pairs = n // 10
     out: list[dict[str, Any]] = []
     with scratch_database(dsn, "scans", app_schema=False) as sdsn, psycopg.connect(sdsn, autocommit=True) as conn:
         t0 = time.monotonic()
         for sql in LOAD:
-            conn.execute(sql, {"n": n, "pairs": pairs})
+            conn.execute(sql, {"n": n})
         conn.execute("vacuum analyze mail.send_log")
         conn.execute("vacuum analyze mail.suppression")
         conn.execute("analyze mail.campaign")
-        # Steady state: earlier reconcile runs have dead-lettered the pairs exhausted before today;
-        # then 50 pairs reach their third whole-request failure now (what one run must find).
-        conn.execute(DEAD_LETTER_BEFORE, {"dag_id": "bench", "run_id": "bench", "task_id": "bench", "max_attempts": 3})
-        conn.execute(NEW_FAILURES, {"n": n})
-        conn.execute("vacuum analyze mail.send_log")
         load = time.monotonic() - t0
-        out.append(metric("scans_population_load_seconds", load, "s", pending=n, released_pairs=pairs))
-        who = {"dag_id": "bench", "run_id": "bench", "task_id": "bench", "max_attempts": 3,
-               "horizon": 1000, "lookback_days": 7}
+        out.append(metric("scans_population_load_seconds", load, "s", pending=n))
+        who = {"dag_id": "bench", "run_id": "bench", "task_id": "bench"}
         cases = [
             ("cancel_suppressed_due", CANCEL_BEFORE, query("scheduled", "cancel_suppressed_due")),
         ]

@@ -11,14 +11,13 @@ send-log rows (``--quick``: 100,000 users, 10 s runs). One hourly run (the inter
 what each run wrote is deleted after it, so every configuration meets the same audience.
 
 * **Utilisation** = emails the provider accepted / the run's wall time (the whole
-  ``run_lifecycle`` call: audience counts, pages, mint, render, store, send, apply) / the target,
+  ``run_lifecycle`` call: audience snapshots, pages, mint, render, store, send, apply) / the target,
   ``cap x fraction x 100`` emails/s. Target >= 0.95, 0 x 429, 0 duplicates (outbox lines versus
   rows marked sent).
-* **Pipelining** (``--pipelined``/``--no-pipelined``, default on): issue 16 item 1 (prepare chunk
-  N+1 while chunk N is in flight) is not implemented in the engine yet. When ``run_lifecycle``
-  grows a ``pipelined`` keyword this module passes the flag through and also runs the unpipelined
-  engine at 0.95 for comparison; until then every run is the current, unpipelined engine and the
-  metrics say so (``params.pipelined`` = false, ``params.pipelining`` = "not in the engine yet").
+* **Pipelining** (``--pipelined``/``--no-pipelined``, default on): ``run_lifecycle(pipelined=True)``
+  (issue 16 item 1: chunk N+1 is paged, minted, rendered and stored while chunk N is in flight,
+  as the Airflow task runs it). With it on, the unpipelined engine also runs at 0.95 in the same
+  population, for comparison (``..._unpipelined``); ``params.pipelined`` says which engine ran.
 * **Naive per-email loop**: the same audience pages, per email: INSERT its row (own transaction),
   render it, ``POST /emails`` (one email per request, 429 -> sleep Retry-After), UPDATE it to sent,
   for ``NAIVE_S`` seconds.
@@ -191,7 +190,7 @@ def run(dsn: str, quick: bool = False, pipelined: bool = True) -> list[dict[str,
             out.append(metric(name, r["utilisation"], f"of target (cap x {fraction} x 100 emails/s)",
                               f">= {TARGET}, 0 x 429, 0 duplicates", ok, **params))
             print(f"    {name}: {r['emails_per_second']:.1f} emails/s = {r['utilisation']:.3f} of target; "
-                  f"429s {r['http_429']}, duplicates {r['duplicates']}, wall {r['wall_s']} s ({note}); "
+                  f"429s {r['http_429']}, duplicates {r['duplicates']}, wall {r['wall_s']} s ({params['pipelining']}); "
                   f"{r['campaigns']}", flush=True)
         naive = naive_per_email(sdsn, emu, interval, naive_s)
         out.append(metric("e2e_naive_per_email_emails_per_second", naive["emails_per_second"], "emails/s", None, None,
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=True,
-                   help="pipelined engine (issue 16 item 1; not implemented yet: ignored by the current engine)")
+                   help="pipelined engine (issue 16 item 1); --no-pipelined runs only the unpipelined engine")
     args = p.parse_args(argv)
     for m in run(args.dsn, quick=args.quick, pipelined=args.pipelined):
         print(f"{m['name']}: {m['value']:.4g} {m['unit']}")

@@ -11,8 +11,8 @@ loop (one INSERT and one UPDATE per email, each its own transaction, rendering o
 over the rest of the same audience in the same run.
 
 Per chunk = the time between two consecutive provider calls (apply of one chunk + page + mint +
-render + save of the next). The audience ``count(*)`` the engine runs once per campaign is not
-per-chunk work: it is reported separately and left out of the mean.
+render + save of the next). The audience snapshot the engine takes once per campaign
+(``open_audience``) is not per-chunk work: it is reported separately and left out of the mean.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def batched(dsn: str, interval: DataInterval, chunks: int, prepare_threshold: in
     campaigns = load_campaigns()
     r = renderer()
     provider = InstantProvider()
-    spans: dict[str, list[float]] = {"count": [], "mint": [], "render": [], "apply": []}
+    spans: dict[str, list[float]] = {"count": [], "mint": [], "render": [], "store": [], "apply": []}
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.prepare_threshold = prepare_threshold
         store = PostgresStore(conn)
-        _timed(store, "count_audience", spans["count"])
+        _timed(store, "open_audience", spans["count"])  # the per-run audience snapshots (once per campaign)
+        _timed(store, "_save_batch", spans["store"])
         _timed(store, "mint_chunk", spans["mint"])
         _timed(store, "apply", spans["apply"])
         _timed(r, "prepare_batch", spans["render"])
@@ -86,8 +87,9 @@ def batched(dsn: str, interval: DataInterval, chunks: int, prepare_threshold: in
         "mean_ms": (wall - sum(spans["count"])) / n * 1000 if n else float("nan"),
         "p50_ms": median(gaps) * 1000, "p95_ms": percentile(gaps, 0.95) * 1000,
         "breakdown_ms_per_chunk": {
-            "page + mint + save_batch (db)": round(per["mint"] - per["render"], 2),
+            "page + contact guard + mint (db)": round(per["mint"] - per["render"] - per["store"], 2),
             "render (jinja2 + json)": round(per["render"], 2),
+            "store: batch bytes + key (db)": round(per["store"], 2),
             "apply: reconcile + state writes (db)": round(per["apply"], 2),
         },
         "campaigns": {s.campaign: {"eligible": s.eligible, "sent": s.sent} for s in summaries},
@@ -149,15 +151,15 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
         n = naive_per_row(sdsn, interval, naive_emails)
     params = dict(chunks=b["chunks"], emails=b["emails"], p95_ms=round(b["p95_ms"], 2),
                   breakdown_ms_per_chunk=b["breakdown_ms_per_chunk"], campaigns=b["campaigns"],
-                  audience_counts_seconds=round(b["count_s"], 3), population=loaded["rows"],
+                  audience_snapshots_seconds=round(b["count_s"], 3), population=loaded["rows"],
                   provider="in-process, accepts at once", synchronous_commit="server default (on)")
     share = b["p50_ms"] / SLOT_MS
     return [
         metric("pipeline_ms_per_chunk_p50", b["p50_ms"], "ms per chunk of 100", f"<= {TARGET_MS:g}",
                b["p50_ms"] <= TARGET_MS, **params),
-        metric("pipeline_ms_per_chunk_mean", b["mean_ms"], "ms per chunk of 100 (excl. audience counts)",
+        metric("pipeline_ms_per_chunk_mean", b["mean_ms"], "ms per chunk of 100 (excl. audience snapshots)",
                f"<= {TARGET_MS:g}", b["mean_ms"] <= TARGET_MS, wall_seconds=round(b["wall_s"], 2),
-               audience_counts_seconds=round(b["count_s"], 3)),
+               audience_snapshots_seconds=round(b["count_s"], 3)),
         metric("pipeline_share_of_slot", share, "of a 100 ms request slot (p50)", f"<= {TARGET_MS / SLOT_MS:g}",
                share <= TARGET_MS / SLOT_MS, slot_ms=SLOT_MS, p50_ms=round(b["p50_ms"], 2)),
         metric("naive_per_row_ms_per_chunk", n["ms_per_100"], "ms per 100 emails", None, None,

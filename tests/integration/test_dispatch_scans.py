@@ -1,5 +1,5 @@
-"""Issue 16 item 6: the dispatcher's suppression sweep and the reconciler's dead-letter sweep look at
-a bounded part of the send log, and stay complete (bench/dispatch_scans.py measures them at 1M)."""
+"""Issue 16 item 6: the dispatcher's suppression sweep looks at a bounded part of the send log and
+stays complete (bench/dispatch_scans.py measures it at 1M; issue 12 removed the dead-letter sweep)."""
 
 from __future__ import annotations
 
