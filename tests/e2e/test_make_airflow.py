@@ -183,7 +183,11 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
                           capture_output=True, timeout=300, cwd=str(ROOT))
     print(f"make stop: {time.monotonic() - t1:.1f} s\n{stop.stdout}{stop.stderr}")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert f"airflow standalone: pid {pid}: stopped on SIGINT" in stop.stdout
+    # SIGINT stops it cleanly (standalone stops its components one by one); on a machine loaded by
+    # other work that can take longer than make stop's 120 s, and then the escalation is the contract
+    assert (f"airflow standalone: pid {pid}: stopped on SIGINT" in stop.stdout
+            or f"airflow standalone: pid {pid}: still running 120 s after SIGINT; SIGTERM to process group {pid}"
+            in stop.stdout), stop.stdout
     assert f"emulator: pid {emulator_pid}: stopped on SIGINT" in stop.stdout
     time.sleep(1)
     assert not group_alive(pid) and not group_alive(emulator_pid)

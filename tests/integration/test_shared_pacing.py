@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def test_a_429_is_stored_and_slows_every_new_process(db_dsn: str) -> None:
     account = f"learn-{uuid.uuid4().hex[:6]}"
     hit = PostgresPacer(lambda: psycopg.connect(db_dsn), account, requests_per_second=10.0, target_fraction=1.0)
     hit.claim()
+    pushed_at = time.time()
     hit.push_back(2.0)  # the client got 429 rate_limit_exceeded with Retry-After: 2
     hit.push_back(2.0)  # a second sender saw the same burst: counted, penalised once
     hit.close()
@@ -107,7 +109,9 @@ def test_a_429_is_stored_and_slows_every_new_process(db_dsn: str) -> None:
     assert row["rate_limited_total"] == 2
     assert row["penalty_now"] == pytest.approx(0.1, abs=0.001)
     fresh = probe_in_new_process(dsn=db_dsn, account=account, requests_per_second=10.0, target_fraction=1.0, claims=2)
-    assert fresh["waits"][0] >= 1.0  # the Retry-After holds every sender, including new ones
+    # the Retry-After holds every sender, including new ones: measured from the push-back, not
+    # from the new interpreter's start (which alone can take over a second on a loaded machine)
+    assert fresh["released_at"][0] - pushed_at >= 2.0 - 0.02
     assert fresh["spacing"] == pytest.approx(1 / (10 * 0.9), rel=0.01)  # 9 requests/s while the penalty lasts
     assert fresh["waits"][1] - fresh["waits"][0] == pytest.approx(1 / 9, abs=0.03)
 
