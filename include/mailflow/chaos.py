@@ -634,7 +634,7 @@ def _feedback(dsn: str, team: Team) -> dict[str, int]:
     with psycopg.connect(dsn) as conn, ResendClient(team.base_url, API_KEY, pacer=PostgresPacer(
             lambda: psycopg.connect(dsn), "chaos-feedback", requests_per_second=500, target_fraction=1.0),
             timeout=httpx.Timeout(5.0)) as client:
-        s = poll_feedback(conn, client, min_age=timedelta(0), limit=50, budget_seconds=120)  # a sample
+        s = poll_feedback(conn, client, min_age=timedelta(0), limit=200, budget_seconds=120)  # every email of a small run, a sample of a large one
         client.pacer.close()  # type: ignore[attr-defined]
     return {"checked": s.checked, "provider_suppressed": s.provider_suppressed, "failed": s.failed,
             "recipient_mismatch": s.mismatched, "suppressed": s.suppressed}
