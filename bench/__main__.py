@@ -23,7 +23,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import audience, dag_import, dispatch, lifecycle_e2e, memory, pipeline, provider
+from bench import audience, dag_import, dispatch, lifecycle_e2e, memory, pipeline, population, provider
 
 RESULTS = Path(__file__).parent / "results"
 SUITES = {
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             suites[suite] = round(time.monotonic() - ts, 1)
             print(f"   ({suites[suite]} s)", flush=True)
     finally:
+        population.drop_shared()  # the shared populations' templates live on the bench database's server
         devenv.drop_database(admin, name)
     doc = {"written_at": datetime.now(UTC).isoformat(), "seconds": round(time.monotonic() - t0, 1),
            "suite_seconds": suites,

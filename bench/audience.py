@@ -37,7 +37,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from bench import population
-from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, renderer, scratch_database
+from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, renderer
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.engine import run_lifecycle
 from mailflow.model import DataInterval, RunContext
@@ -314,15 +314,15 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
     reps = 2 if quick else 3
     interval = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)
     out: list[dict[str, Any]] = []
-    with scratch_database(dsn, "audience") as sdsn:
-        t0 = time.perf_counter()
-        loaded = population.load(sdsn, users, log=print)
-        load_s = time.perf_counter() - t0
+    with population.shared_copy(dsn, users, "audience", log=print) as (sdsn, pop):
+        load_s = pop["built_seconds"] + pop["copy_seconds"]
+        loaded = pop["build"]
         scale = {"users": loaded["rows"]["users"], "assessments": loaded["rows"]["assessments"],
                  "send_log_rows": loaded["rows"]["send_log"], "suppressions": loaded["rows"]["suppression"],
                  "load_seconds": round(load_s, 1), "send_event": "empty (not generated)"}
         out.append(metric("audience_population_load_seconds", load_s, "s", None, None,
-                          step_seconds=loaded["seconds"], **scale))
+                          step_seconds=loaded["seconds"], built_seconds=pop["built_seconds"],
+                          copy_seconds=pop["copy_seconds"], reused_shared_population=pop["reused"], **scale))
         with psycopg.connect(sdsn, autocommit=True) as conn:
             conn.execute("set statement_timeout = '300s'")
             store = PostgresStore(conn)

@@ -25,14 +25,23 @@ own definitions afterwards, then ``VACUUM ANALYZE`` (the steady state autovacuum
 
 from __future__ import annotations
 
+import atexit
 import time
+import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from queue import SimpleQueue
 from typing import Any
 
 import psycopg
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from bench.common import ANCHOR
+from mailflow import devenv
+from mailflow.demo.loader import schema_sql
+from mailflow.migrate import migrate
 
 USERS_SQL = """
 insert into app.users (user_id, email, first_name, last_name, signed_up_at, timezone, plan, last_active_at)
@@ -195,3 +204,74 @@ def load(dsn: str, users: int, rows_per_user: int = 5, log: Any = print, workers
         for c in conns:
             c.close()
     return {"seconds": timings, "rows": counts, "indexes_rebuilt": len(indexes)}
+
+
+# -- one population per `make bench` run, shared by the suites that need the same shape ------------------
+
+#: ``(server, users, rows_per_user)`` -> ``(template database name, admin DSN, load() result)``: the
+#: populations built in this process, kept as templates until :func:`drop_shared`.
+_SHARED: dict[tuple[str, int, int], tuple[str, str, dict[str, Any]]] = {}
+
+
+def _server(dsn: str) -> str:
+    d = conninfo_to_dict(dsn)
+    return f"{d.get('host')}:{d.get('port')}"
+
+
+@contextmanager
+def shared_copy(dsn: str, users: int, suffix: str, rows_per_user: int = 5,
+                log: Any = print) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A private, writable copy of the one population of ``users`` x ``rows_per_user`` built in this
+    process on the server of ``dsn``; yields ``(copy DSN, info)`` and drops the copy on exit.
+
+    The first call builds the population with :func:`load` into a template database (migrated, with
+    the ``app`` schema, loaded, ``VACUUM ANALYZE``d: the state every suite measured when it built its
+    own); every call then takes ``CREATE DATABASE ... TEMPLATE ... STRATEGY FILE_COPY``, a copy of
+    the template's files: the same pages, rows, ids, visibility map and planner statistics, so a suite
+    sees exactly the population it would have built (same ANCHOR, same seeds), and what one suite
+    writes (the audience suite's scale runs, the e2e runs) never reaches another. ``info``:
+    ``built_seconds`` (this call's build, 0 when reused), ``copy_seconds``, ``build`` (the
+    :func:`load` result of the shared build: step seconds and row counts), ``reused`` (bool).
+
+    The templates live until :func:`drop_shared` (``python -m bench`` calls it at the end; an
+    ``atexit`` hook covers a suite run on its own)."""
+    key = (_server(dsn), users, rows_per_user)
+    built_s = 0.0
+    if key not in _SHARED:
+        t0 = time.perf_counter()
+        base = conninfo_to_dict(dsn).get("dbname") or "mailflow_bench"
+        template = f"{base}_pop{users}_{uuid.uuid4().hex[:4]}"[:50]
+        tdsn = devenv.create_database(dsn, template, exist_ok=False)
+        try:
+            with psycopg.connect(tdsn, autocommit=True) as conn:
+                migrate(conn)
+                conn.execute(schema_sql())
+            loaded = load(tdsn, users, rows_per_user, log=log)
+        except BaseException:
+            devenv.drop_database(dsn, template)
+            raise
+        if not _SHARED:
+            atexit.register(drop_shared)
+        _SHARED[key] = (template, dsn, loaded)
+        built_s = time.perf_counter() - t0
+    template, _, loaded = _SHARED[key]
+    t0 = time.perf_counter()
+    name = f"{template}_{suffix}"[:63]
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(pgsql.SQL("create database {} template {} strategy file_copy").format(
+            pgsql.Identifier(name), pgsql.Identifier(template)))
+    copy_s = time.perf_counter() - t0
+    log(f"    population of {users} users: {f'built in {built_s:.1f} s' if built_s else 'reused'},"
+        f" copied in {copy_s:.1f} s")
+    try:
+        yield make_conninfo(dsn, dbname=name), {"built_seconds": round(built_s, 1), "copy_seconds": round(copy_s, 1),
+                                                "build": loaded, "reused": not built_s}
+    finally:
+        devenv.drop_database(dsn, name)
+
+
+def drop_shared() -> None:
+    """Drop the shared population templates built in this process (idempotent)."""
+    while _SHARED:
+        _, (name, admin, _) = _SHARED.popitem()
+        devenv.drop_database(admin, name)
