@@ -1,7 +1,8 @@
 """Metric 4: audience selection at scale, and the send-log read paths analysts use.
 
-A dedicated database gets 1,000,000 ``app.users``, ~2,000,000 assessments and ~5,000,000
-``mail.send_log`` rows (see :mod:`bench.population`; quick: a tenth), ``VACUUM ANALYZE``. Then, for
+A private copy of the run's shared population (:func:`bench.population.shared_copy`: built once per
+``python -m bench``, also used by ``lifecycle_e2e``) has 1,000,000 ``app.users``, ~2,000,000
+assessments and ~5,000,000 ``mail.send_log`` rows (see :mod:`bench.population`; quick: a tenth), ``VACUUM ANALYZE``. Then, for
 each lifecycle campaign, with the parameters of the hourly run that ends at :data:`ANCHOR`
 (the campaign's own window, cooldown since ``end - cooldown``, ``MAILFLOW_MAX_ATTEMPTS``), the real
 composed SQL of :class:`~mailflow.store.PostgresStore` is timed from the client:

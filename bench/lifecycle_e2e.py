@@ -23,7 +23,10 @@ what each run wrote is deleted after it, so every configuration meets the same a
   for ``NAIVE_S`` seconds.
 
 ``python -m bench --only lifecycle_e2e [--quick]`` or ``python -m bench.lifecycle_e2e [--quick]
-[--no-pipelined] [--dsn DSN]``. The full size takes about 5 minutes (2 of them the population).
+[--no-pipelined] [--dsn DSN]``. The population is the one the ``audience`` suite uses, built once per
+process (:func:`bench.population.shared_copy`); this suite runs on its own file copy of it (~6 s), so
+the audience suite's scale runs never change its audience. Alone, the full size takes about 5
+minutes (2-3 of them building the population); after ``audience`` in ``python -m bench``, about 3.
 """
 
 from __future__ import annotations
