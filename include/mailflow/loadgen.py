@@ -95,17 +95,17 @@ def _worker(kwargs: dict[str, Any]) -> dict[str, Any]:
 def probe_pacer(dsn: str, account: str, requests_per_second: float, target_fraction: float = 0.8,
                 claims: int = 3) -> dict[str, Any]:
     """A fresh :class:`PostgresPacer` (as a new process or worker builds it from its connection)
-    claims ``claims`` slots without sending; returns ``{"waits": [s...], "released_at": [Unix
-    seconds when each claim returned...], "spacing": s, "requests_per_second": effective
-    requests/s, "learned_limit": requests/s or None}``."""
+    claims ``claims`` slots without sending or sleeping; returns ``{"waits": [s...], "slot_at":
+    [Unix seconds of each claimed slot: when the claim returned plus its wait...], "spacing": s,
+    "requests_per_second": effective requests/s, "learned_limit": requests/s or None}``."""
     pacer = PostgresPacer(lambda: psycopg.connect(dsn), account, requests_per_second, target_fraction)
     try:
         waits: list[float] = []
-        released_at: list[float] = []
+        slot_at: list[float] = []
         for _ in range(claims):
             waits.append(pacer.claim())
-            released_at.append(time.time())
-        return {"waits": waits, "released_at": released_at, "spacing": pacer.spacing,
+            slot_at.append(time.time() + waits[-1])
+        return {"waits": waits, "slot_at": slot_at, "spacing": pacer.spacing,
                 "requests_per_second": pacer.requests_per_second, "learned_limit": pacer.learned_limit}
     finally:
         pacer.close()

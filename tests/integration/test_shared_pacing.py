@@ -111,7 +111,7 @@ def test_a_429_is_stored_and_slows_every_new_process(db_dsn: str) -> None:
     fresh = probe_in_new_process(dsn=db_dsn, account=account, requests_per_second=10.0, target_fraction=1.0, claims=2)
     # the Retry-After holds every sender, including new ones: measured from the push-back, not
     # from the new interpreter's start (which alone can take over a second on a loaded machine)
-    assert fresh["released_at"][0] - pushed_at >= 2.0 - 0.02
+    assert fresh["slot_at"][0] - pushed_at >= 2.0 - 0.02
     assert fresh["spacing"] == pytest.approx(1 / (10 * 0.9), rel=0.01)  # 9 requests/s while the penalty lasts
     assert fresh["waits"][1] - fresh["waits"][0] == pytest.approx(1 / 9, abs=0.03)
 
