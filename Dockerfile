@@ -13,4 +13,4 @@ RUN pip install --no-cache-dir "apache-airflow==3.3.2" -r /opt/mailflow/requirem
 COPY --chown=airflow:0 pyproject.toml README.md /opt/mailflow/
 COPY --chown=airflow:0 include /opt/mailflow/include
 RUN pip install --no-cache-dir --no-deps -e /opt/mailflow \
- && python -c "import mailflow.engine, mailflow.provider.hook; print('mailflow importable')"
+ && python -c "import mailflow.sendloop.engine, mailflow.provider.hook; print('mailflow importable')"

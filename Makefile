@@ -37,15 +37,15 @@ bench: venv      ## benchmarks against a real Postgres and the emulator (not par
 	$(PY) -m bench
 
 chaos: venv      ## 200 kills of sender/dispatcher/reconciler under every provider fault kind (CHAOS_ARGS="--kills N --dsn ..."); then the contact-policy race (CONTACT_CHAOS_ARGS); exit 1 if an invariant breaks
-	$(PY) -m mailflow.chaos $(CHAOS_ARGS)
-	$(PY) -m mailflow.contact_chaos $(CONTACT_CHAOS_ARGS)
+	$(PY) -m mailflow_dev.chaos $(CHAOS_ARGS)
+	$(PY) -m mailflow_dev.contact_chaos $(CONTACT_CHAOS_ARGS)
 
 psql: venv       ## open the demo's send log in psql (starts the embedded server if needed)
 	$(PY) scripts/psql.py
 
 stop: venv       ## stop `make airflow` (SIGINT to airflow standalone, then the emulator) and the embedded PostgreSQL servers
 	$(PY) scripts/airflow_local.py down
-	$(PY) -c "from mailflow import devenv; [print(f'embedded PostgreSQL {p}:', devenv.stop_if_unused(p)) for p in (devenv.STATE / 'pgdata', devenv.TEST_PGDATA)]"
+	$(PY) -c "from mailflow_dev import devenv; [print(f'embedded PostgreSQL {p}:', devenv.stop_if_unused(p)) for p in (devenv.STATE / 'pgdata', devenv.TEST_PGDATA)]"
 
 emulator: venv   ## the Resend-compatible emulator in the foreground on port 8025; accepts API key re_test_emulator (EMULATOR_ARGS="--api-key re_...")
 	@echo "emulator: http://127.0.0.1:8025, API key re_test_emulator (Authorization: Bearer re_test_emulator)"

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run, not the reported numbers)")
     args = p.parse_args(argv)
 
-    from mailflow import devenv
-    from mailflow.migrate import migrate
+    from mailflow.store.migrate import migrate
+    from mailflow_dev import devenv
 
     admin = os.environ.get("TEST_DATABASE_URL") or devenv.embedded_dsn(devenv.STATE / "pgdata-bench")
     name = f"mailflow_bench_{uuid.uuid4().hex[:6]}"

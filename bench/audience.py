@@ -5,7 +5,7 @@ A private copy of the run's shared population (:func:`bench.population.shared_co
 assessments and ~5,000,000 ``mail.send_log`` rows (see :mod:`bench.population`; quick: a tenth), ``VACUUM ANALYZE``. Then, for
 each lifecycle campaign, with the parameters of the hourly run that ends at :data:`ANCHOR`
 (the campaign's own window, cooldown since ``end - cooldown``, ``MAILFLOW_MAX_ATTEMPTS``), the real
-composed SQL of :class:`~mailflow.store.PostgresStore` is timed from the client:
+composed SQL of :class:`~mailflow.store.send_log.PostgresStore` is timed from the client:
 
 * ``audience_snapshot``: ``PostgresStore.open_audience``, the run's one evaluation of the eligible
   audience into a temporary table (fill: the audience minus dedupe and suppression; then the
@@ -40,10 +40,10 @@ from psycopg import sql as pgsql
 from bench import population
 from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, renderer
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.engine import run_lifecycle
-from mailflow.model import DataInterval, RunContext
-from mailflow.sql import query as named_query
-from mailflow.store import PostgresStore, caps_sql, eligible_sql
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import DataInterval, RunContext
+from mailflow.store.send_log import PostgresStore, caps_sql, eligible_sql
+from mailflow.store.sql import query as named_query
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 1.0

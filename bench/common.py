@@ -15,9 +15,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from mailflow import devenv
-from mailflow.migrate import migrate
-from mailflow.model import Accepted, PreparedBatch
+from mailflow.sendloop.outcome import Accepted, PreparedBatch
+from mailflow.store.migrate import migrate
+from mailflow_dev import devenv
 
 #: The "now" of every generated population: the start of the current UTC hour, so queries written
 #: against ``now()`` (docs/send_log.md, the mail views) see data at the right age. The data are the
@@ -43,7 +43,7 @@ def scratch_database(dsn: str, suffix: str, *, app_schema: bool = True) -> Itera
         with psycopg.connect(sdsn, autocommit=True) as conn:
             migrate(conn)
             if app_schema:
-                from mailflow.demo.loader import schema_sql
+                from mailflow_dev.demo.loader import schema_sql
 
                 conn.execute(schema_sql())
         yield sdsn
@@ -52,10 +52,10 @@ def scratch_database(dsn: str, suffix: str, *, app_schema: bool = True) -> Itera
 
 
 def renderer() -> Any:
-    """The real :class:`~mailflow.render.Renderer` with the real templates and a bench secret."""
+    """The real :class:`~mailflow.sendloop.render.Renderer` with the real templates and a bench secret."""
     from mailflow import settings
-    from mailflow.render import Renderer
-    from mailflow.unsubscribe import signer_from_secret
+    from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+    from mailflow.sendloop.render import Renderer
 
     return Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), settings.public_url(), settings.app_url())
 

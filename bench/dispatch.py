@@ -2,11 +2,11 @@
 10 minutes (quick: 1,000 within 1 minute), against the emulator at a cap of 10 requests/s (50 ms
 latency per request), through the production path:
 
-* a campaign is created and provisioned with ``mailflow.scheduled`` (an uploaded recipient list,
+* a campaign is created and provisioned with ``mailflow.sources.scheduled`` (an uploaded recipient list,
   one local window of exactly the measured span, ``emails_per_day`` = the email count, so the
   planner spreads the sends evenly over the span);
 * the dispatcher runs as the ``dispatch_scheduled_emails`` DAG runs it: one call of
-  :func:`mailflow.scheduled.dispatch` with the DAG's defaults (50 s budget, 5 s coalescing) at every
+  :func:`mailflow.sources.scheduled.dispatch` with the DAG's defaults (50 s budget, 5 s coalescing) at every
   UTC minute boundary plus ``START_DELAY`` seconds (the scheduler's and worker's start-up latency,
   assumed), never two at once (``max_active_runs=1``), with the shared PostgreSQL pacer and the
   real Resend client.
@@ -29,13 +29,13 @@ import httpx
 import psycopg
 
 from bench.provider import API_KEY, CAP, FRACTION, metric
-from mailflow import scheduled
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.model import RunContext
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.sendloop.outcome import RunContext
+from mailflow.sendloop.render import Renderer
+from mailflow.sources import scheduled
 
 START_DELAY = 3.0  # seconds from a minute boundary to the task's first statement (assumed)
 LEAD = 20.0  # seconds from setup to the first due email

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from bench.common import metric, scratch_database
-from mailflow.sql import query
+from mailflow.store.sql import query
 
 #: The statements as they were before issue 16 (for the before/after).
 CANCEL_BEFORE = """

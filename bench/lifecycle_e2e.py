@@ -1,8 +1,8 @@
 """End-to-end lifecycle utilisation (issue 16's headline): accepted emails per second of a real
 lifecycle run over the configured target rate.
 
-The real engine (:func:`mailflow.engine.run_lifecycle`), :class:`~mailflow.store.PostgresStore`,
-:class:`~mailflow.render.Renderer` with the campaigns' templates, :class:`ResendClient` and the
+The real engine (:func:`mailflow.sendloop.engine.run_lifecycle`), :class:`~mailflow.store.send_log.PostgresStore`,
+:class:`~mailflow.sendloop.render.Renderer` with the campaigns' templates, :class:`ResendClient` and the
 shared :class:`PostgresPacer`, against the emulator over HTTP at a cap of 10 requests/s (50 ms
 latency per request), over the population of :mod:`bench.population`: 1,000,000 users and ~5,000,000
 send-log rows (``--quick``: 100,000 users, 10 s runs). One hourly run (the interval ending at
@@ -48,13 +48,13 @@ import psycopg
 from bench import population
 from bench.common import ANCHOR, metric, renderer
 from mailflow.campaigns import load_campaigns
-from mailflow.clock import SystemClock
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.engine import run_lifecycle
-from mailflow.model import DataInterval, MintedRow, RunContext
 from mailflow.provider.client import ResendClient, parse_retry_after
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.store import PostgresStore
+from mailflow.sendloop.clock import SystemClock
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import DataInterval, MintedRow, RunContext
+from mailflow.store.send_log import PostgresStore
 
 CAP = 10.0  # requests/s, the emulator's limit (sliding 1 s window)
 LATENCY_MS = 50.0

@@ -1,8 +1,8 @@
 """Metric 3: pipeline overhead per chunk of 100 emails, provider excluded.
 
-``run_lifecycle`` drives the real :class:`~mailflow.store.PostgresStore` (audience page with every
+``run_lifecycle`` drives the real :class:`~mailflow.store.send_log.PostgresStore` (audience page with every
 exclusion, mint + events, batch bytes, reconcile by index with events) and the real
-:class:`~mailflow.render.Renderer` (the campaigns' Jinja2 templates, signed unsubscribe links)
+:class:`~mailflow.sendloop.render.Renderer` (the campaigns' Jinja2 templates, signed unsubscribe links)
 with an in-process provider that accepts every batch at once, over a steady-state population
 (:mod:`bench.population`: 100,000 users, ~500,000 send-log rows of history, analysed), for
 ``CHUNKS`` chunks of the hourly run. What is left of the wall time is the pipeline's own; it is
@@ -37,9 +37,9 @@ from bench.common import (
     scratch_database,
 )
 from mailflow.campaigns import load_campaigns
-from mailflow.engine import run_lifecycle
-from mailflow.model import DataInterval, MintedRow, RunContext
-from mailflow.store import PostgresStore
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import DataInterval, MintedRow, RunContext
+from mailflow.store.send_log import PostgresStore
 
 SLOT_MS = 100.0  # one request slot at the provider's 10 requests/s cap
 TARGET_MS = 20.0

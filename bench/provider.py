@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
-from mailflow.clock import SystemClock
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.loadgen import run_concurrent
 from mailflow.provider.client import parse_retry_after
+from mailflow.sendloop.clock import SystemClock
+from mailflow_dev.loadgen import run_concurrent
 
 CAP = 10.0
 FRACTION = 0.8  # the default target fraction: the naive baselines and the speedups use it

@@ -30,7 +30,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from bench.common import metric, scratch_database
-from mailflow.sql import query
+from mailflow.store.sql import query
 
 #: 0004's indexes on mail.send_log: name -> definition (as 0004 builds them).
 ANALYTICS_INDEXES = {

@@ -32,9 +32,9 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.alerts import default_args
-from mailflow.assets import SEND_LOG
-from mailflow.budgets import budget_description, max_budget_seconds
+from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.assets import SEND_LOG
+from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
 POLL_TIMEOUT = timedelta(minutes=25)  # execution_timeout of poll_feedback; the budget Param fits inside it
 
@@ -67,7 +67,7 @@ with DAG(
     @task(pool="email_provider", execution_timeout=POLL_TIMEOUT, outlets=[SEND_LOG])
     def poll_feedback(**context) -> dict:
         """Check recent sends' status; suppress hard bounces and complaints; returns counts."""
-        from mailflow.feedback import feedback_task
+        from mailflow.feedback.deliverability import feedback_task
 
         return feedback_task(context)
 

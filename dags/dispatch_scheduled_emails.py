@@ -31,12 +31,12 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.alerts import default_args
-from mailflow.assets import SEND_LOG
-from mailflow.budgets import budget_description, max_budget_seconds
+from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.assets import SEND_LOG
+from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
 # execution_timeout of dispatch: a 50 s budget needs far less, but the chunk in flight at the budget may
-# retry for up to the longest chunk (333 s with the default connection, mailflow.budgets).
+# retry for up to the longest chunk (333 s with the default connection, mailflow.orchestration.budgets).
 DISPATCH_TIMEOUT = timedelta(minutes=10)
 
 with DAG(
@@ -60,7 +60,7 @@ with DAG(
     @task(pool="email_provider", execution_timeout=DISPATCH_TIMEOUT, outlets=[SEND_LOG])
     def dispatch(**context) -> dict:
         """Send due scheduled emails until nothing is due within the budget; returns counts."""
-        from mailflow.scheduled import dispatch_task
+        from mailflow.sources.scheduled import dispatch_task
 
         return dispatch_task(context)
 

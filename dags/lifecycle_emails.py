@@ -24,10 +24,10 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.alerts import default_args
-from mailflow.assets import SEND_LOG
-from mailflow.budgets import budget_description, max_budget_seconds
 from mailflow.campaigns import declared_names
+from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.assets import SEND_LOG
+from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
 SEND_TIMEOUT = timedelta(minutes=15)  # execution_timeout of send_campaigns; the budget Param fits inside it
 
@@ -63,7 +63,7 @@ with DAG(
           max_active_tis_per_dag=1)
     def send_campaigns(**context) -> list[dict]:
         """Send every campaign for this run's data interval; returns per-campaign counts."""
-        from mailflow.tasks import lifecycle
+        from mailflow.orchestration.tasks import lifecycle
 
         return lifecycle(context)
 

@@ -13,7 +13,7 @@ weekdays, local business-hour windows, start). Triggered by hand with the campai
 * `dry_run`: nothing is written; the task logs and returns the plan summary (first and last send,
   emails per day, days spanned).
 * A draft campaign becomes `scheduled` with its first chunk; `dispatch_scheduled_emails` sends rows
-  as they fall due. Create campaigns with `python -m mailflow.scheduled create SPEC.toml`.
+  as they fall due. Create campaigns with `python -m mailflow.sources.scheduled create SPEC.toml`.
 * Connection: `send_log_db` (Postgres).
 """
 
@@ -22,8 +22,8 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from mailflow.alerts import default_args
-from mailflow.assets import SEND_LOG
+from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.assets import SEND_LOG
 
 with DAG(
     dag_id="provision_campaign",
@@ -46,7 +46,7 @@ with DAG(
     @task(execution_timeout=timedelta(minutes=30), outlets=[SEND_LOG])
     def provision(**context) -> dict:
         """Provision (or dry-run) the campaign; returns the provisioning summary."""
-        from mailflow.scheduled import provision_task
+        from mailflow.sources.scheduled import provision_task
 
         return provision_task(context)
 

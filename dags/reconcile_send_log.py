@@ -20,9 +20,9 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.alerts import default_args
-from mailflow.assets import SEND_LOG
-from mailflow.budgets import budget_description, max_budget_seconds
+from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.assets import SEND_LOG
+from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
 RECONCILE_TIMEOUT = timedelta(minutes=25)  # execution_timeout of reconcile; the budget Param fits inside it
 
@@ -47,7 +47,7 @@ with DAG(
     @task(pool="email_provider", execution_timeout=RECONCILE_TIMEOUT, outlets=[SEND_LOG])
     def reconcile(**context) -> dict:
         """Repair stale claims, resend inside the idempotency window, dead-letter and alert."""
-        from mailflow.tasks import reconcile_send_log
+        from mailflow.orchestration.tasks import reconcile_send_log
 
         return reconcile_send_log(context)
 

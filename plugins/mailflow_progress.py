@@ -1,4 +1,4 @@
-"""Airflow plugin: the live mail campaign progress page (``mailflow.ui.progress``).
+"""Airflow plugin: the live mail campaign progress page (``mailflow.orchestration.ui.progress``).
 
 * ``fastapi_apps``: the page and its JSON / server-sent-events API, mounted in the API server at
   ``/mailflow`` and protected by Airflow's own auth dependencies (401 without a token).
@@ -35,6 +35,6 @@ class MailflowProgressPlugin(AirflowPlugin):
 
     @cached_property
     def fastapi_apps(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        from mailflow.ui.progress import create_app
+        from mailflow.orchestration.ui.progress import create_app
 
         return [{"app": create_app(), "url_prefix": URL_PREFIX, "name": "mailflow campaign progress"}]

@@ -124,7 +124,7 @@ def airflow_env(home: Path, metadata_dsn: str, connections: Mapping[str, str], *
 def mailflow_connections(send_log_dsn: str, emulator_url: str, api_key: str, unsubscribe_secret: str, *,
                          requests_per_second: float = 10, target_fraction: float = 0.8) -> dict[str, str]:
     """The three mailflow connections as ``AIRFLOW_CONN_*`` environment variables."""
-    from mailflow import devenv
+    from mailflow_dev import devenv
 
     return {
         "AIRFLOW_CONN_SEND_LOG_DB": devenv.airflow_conn_json(send_log_dsn),
@@ -382,7 +382,7 @@ DEMO_CAMPAIGN = "demo_outreach"
 
 def local_dir() -> Path:
     """``.demo/airflow-local`` (or under ``MAILFLOW_DEMO_STATE``): home, PID files, logs, password."""
-    from mailflow import devenv
+    from mailflow_dev import devenv
 
     return devenv.STATE / "airflow-local"
 
@@ -407,7 +407,7 @@ def _port_free(port: int) -> bool:
 def stop_group(pid: int, timeout: float = 45.0, first: signal.Signals = signal.SIGINT) -> str:
     """Stop a process started (by an earlier command) in its own session: ``first`` to ``pid``, wait;
     then SIGTERM/SIGKILL to what is left of its process group. Returns how it ended."""
-    from mailflow.devenv import pid_alive
+    from mailflow_dev.devenv import pid_alive
 
     how = "was not running"
     if pid_alive(pid):
@@ -436,7 +436,7 @@ def _demo_campaign(dsn: str) -> None:
     only when ``dispatch_scheduled_emails`` is unpaused."""
     import psycopg
 
-    from mailflow import scheduled
+    from mailflow.sources import scheduled
 
     with psycopg.connect(dsn) as conn:
         if conn.execute("select 1 from mail.campaign where name = %s", (DEMO_CAMPAIGN,)).fetchone():
@@ -469,9 +469,9 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
     """
     import psycopg
 
-    from mailflow import devenv
-    from mailflow.demo.loader import load_demo_data
-    from mailflow.migrate import migrate
+    from mailflow.store.migrate import migrate
+    from mailflow_dev import devenv
+    from mailflow_dev.demo.loader import load_demo_data
 
     here = local_dir()
     if (pid := devenv.local_airflow_pid()) is not None:

@@ -5,12 +5,12 @@
    (``.demo/pgdata``, Unix socket only); database ``mailflow_demo``;
 2. the Resend-compatible emulator on a free port, cap 10 requests/s. Its outbox and idempotency
    memory belong to the database, not to the checkout: ``.demo/send-logs/<db identity>/`` (see
-   :func:`mailflow.devenv.database_identity`), so a restarted emulator recognises a resend and a
+   :func:`mailflow_dev.devenv.database_identity`), so a restarted emulator recognises a resend and a
    fresh database starts with a fresh outbox;
 3. migrations, demo data (5,000 synthetic users, seed 42, loaded once);
 4. ``airflow dags test lifecycle_emails`` for the latest complete hour (Airflow metadata in
    ``.demo/airflow``, SQLite);
-5. the reconciler (:func:`mailflow.repair.reconcile`): rows an interrupted earlier demo left
+5. the reconciler (:func:`mailflow.reconciler.reconcile`): rows an interrupted earlier demo left
    ``sending`` are resent under their key and bytes (the emulator replays what it accepted);
 6. a per-campaign table read back from ``mail.send_log`` and an audit of the outbox against it.
 It stops what it started: the emulator, and the embedded server only if this run started it, no
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import psycopg
 
-from mailflow import devenv
 from mailflow.cli import audit, print_table, report
-from mailflow.demo.loader import load_demo_data
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.migrate import migrate
+from mailflow.store.migrate import migrate
+from mailflow_dev import devenv
+from mailflow_dev.demo.loader import load_demo_data
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = devenv.STATE
@@ -126,7 +126,7 @@ def shared_emulator(state: Path) -> SharedEmulator | None:
 
 
 def reconcile_after(dsn: str, emulator_url: str, api_key: str, *, external: bool) -> dict[str, int]:
-    """The reconciler on the demo's database (its public entry point, :func:`mailflow.repair.reconcile`).
+    """The reconciler on the demo's database (its public entry point, :func:`mailflow.reconciler.reconcile`).
 
     Claims are live only while a sender runs. The demo holds the lock and its own run has ended, so
     on the embedded server (reachable from this checkout only) every ``sending`` row is an orphan of
@@ -136,7 +136,7 @@ def reconcile_after(dsn: str, emulator_url: str, api_key: str, *, external: bool
     from mailflow import settings
     from mailflow.provider.client import ResendClient
     from mailflow.provider.pacing import PostgresPacer
-    from mailflow.repair import reconcile
+    from mailflow.reconciler import reconcile
 
     live_senders_possible = external or devenv.local_airflow_pid() is not None
     stale_after = timedelta(seconds=settings.stale_after_seconds() if live_senders_possible else 0)

@@ -49,9 +49,9 @@ with DAG(
         import time
 
         from mailflow import settings
-        from mailflow.loadgen import synthetic_batches
-        from mailflow.model import Accepted
         from mailflow.provider.hook import ResendHook
+        from mailflow.sendloop.outcome import Accepted
+        from mailflow_dev.loadgen import synthetic_batches
 
         ti = context["ti"]
         campaign = f"scale-{ti.run_id}-{spec['sender']}".replace(":", "-").replace("+", "-")[:120]

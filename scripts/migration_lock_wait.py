@@ -6,7 +6,7 @@ migration 0003 to head? (issue 13: "at 1M rows, a reader's wait during the upgra
 Creates a scratch database, applies 0001-0003 from the package on PYTHONPATH (recorded in
 ``mail.schema_migrations`` as every version of the migrator does), fills ``mail.send_log`` with
 ``--rows`` rows by ``generate_series`` (80 % sent, 10 % failed, 10 % cancelled, 20 campaigns), then
-runs ``mailflow.migrate.migrate(conn)`` (the migrator of the package on PYTHONPATH, so the same
+runs ``mailflow.store.migrate.migrate(conn)`` (the migrator of the package on PYTHONPATH, so the same
 script measures an older checkout too) while one thread reads one row by primary key and another
 updates one row, each in a tight loop of autocommit statements. Prints JSON: the longest single
 read and write (s), how many took over 1 s, the migration's duration and the files it applied.
@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from mailflow import devenv
+from mailflow_dev import devenv
 
 FILL = """
 insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, claimed_at, sent_at,
@@ -41,7 +41,7 @@ from generate_series(1, %(rows)s) as g
 
 
 def _apply_raw_up_to(conn: psycopg.Connection, last: int) -> None:
-    folder = resources.files("mailflow.sql").joinpath("migrations")
+    folder = resources.files("mailflow.store.sql").joinpath("migrations")
     conn.execute("create schema if not exists mail")
     conn.execute("create table if not exists mail.schema_migrations (version integer primary key,"
                  " name text not null, applied_at timestamptz not null default now())")
@@ -85,7 +85,7 @@ class _Prober(threading.Thread):
 def measure(admin_dsn: str, rows: int, *, keep: bool = False) -> dict[str, Any]:
     """Fill a scratch database to ``rows`` send-log rows at version 0003, migrate it to head under
     read and write probes, and return the figures (seconds). The database is dropped unless ``keep``."""
-    from mailflow.migrate import migrate  # the migrator of the checkout on PYTHONPATH
+    from mailflow.store.migrate import migrate  # the migrator of the checkout on PYTHONPATH
 
     name = f"mailflow_lockwait_{uuid.uuid4().hex[:6]}"
     dsn = devenv.create_database(admin_dsn, name, exist_ok=False)

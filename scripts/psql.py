@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mailflow import devenv
+from mailflow_dev import devenv
 
 if __name__ == "__main__":
     external = os.environ.get("AIRFLOW_CONN_SEND_LOG_DB")

@@ -50,11 +50,12 @@ from airflow_local import (  # noqa: E402
     stop_all,
 )
 
-from mailflow import cli, devenv  # noqa: E402
-from mailflow.demo.loader import load_demo_data  # noqa: E402
+from mailflow import cli
 from mailflow.emulator.testing import EmulatorProcess  # noqa: E402
-from mailflow.loadgen import max_in_window  # noqa: E402
-from mailflow.migrate import migrate  # noqa: E402
+from mailflow.store.migrate import migrate  # noqa: E402
+from mailflow_dev import devenv  # noqa: E402
+from mailflow_dev.demo.loader import load_demo_data  # noqa: E402
+from mailflow_dev.loadgen import max_in_window  # noqa: E402
 
 CAP = 10  # provider requests per second (the emulator enforces it, the connection declares it)
 

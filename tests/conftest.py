@@ -26,9 +26,9 @@ os.environ["AIRFLOW__CORE__UNIT_TEST_MODE"] = "False"
 import psycopg  # noqa: E402
 import pytest  # noqa: E402
 
-from mailflow import devenv  # noqa: E402
 from mailflow.emulator.testing import EmulatorProcess  # noqa: E402
-from mailflow.migrate import migrate  # noqa: E402
+from mailflow.store.migrate import migrate  # noqa: E402
+from mailflow_dev import devenv  # noqa: E402
 
 UNSUBSCRIBE_SECRET = "test-secret-0123456789abcdef"
 MAIL_TABLES = "mail.send_event, mail.send_log, mail.send_batch, mail.rate_slot, mail.suppression, mail.contact, mail.campaign_address"
@@ -57,7 +57,7 @@ def db_dsn(pg_admin_dsn: str) -> Iterator[str]:
     dsn = devenv.create_database(pg_admin_dsn, name, exist_ok=False)
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
-        from mailflow.demo.loader import schema_sql
+        from mailflow_dev.demo.loader import schema_sql
 
         conn.execute(schema_sql())
     yield dsn

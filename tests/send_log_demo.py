@@ -16,12 +16,12 @@ from conftest import UNSUBSCRIBE_SECRET
 
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.engine import run_lifecycle
-from mailflow.model import CampaignSummary, DataInterval, RunContext
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import CampaignSummary, DataInterval, RunContext
+from mailflow.sendloop.render import Renderer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "send_log.md"
@@ -58,7 +58,7 @@ def run_lifecycle_once(dsn: str, emulator: EmulatorProcess, end: datetime, run: 
                        campaigns: list[Campaign] | None = None) -> list[CampaignSummary]:
     """One real lifecycle run for the interval ``[end - 1 h, end)``: engine, PostgresStore, the
     shared pacer and the emulator over HTTP."""
-    from mailflow.store import PostgresStore
+    from mailflow.store.send_log import PostgresStore
 
     closers: list[Any] = []
     try:

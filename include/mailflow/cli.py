@@ -112,7 +112,7 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     if args.cmd == "migrate":
         import logging
 
-        from mailflow.migrate import SchemaNotCurrent, migrate, require_current
+        from mailflow.store.migrate import SchemaNotCurrent, migrate, require_current
 
         if args.check:
             try:

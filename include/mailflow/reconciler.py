@@ -32,11 +32,11 @@ from typing import Any
 
 import psycopg
 
-from mailflow.clock import Clock, SystemClock
-from mailflow.engine import BatchProvider, _send, reserve_slot
-from mailflow.model import NotSent, PreparedBatch, Refused, RunContext
-from mailflow.sql import query
-from mailflow.store import PostgresStore, mask_email
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.sendloop.engine import BatchProvider, _send, reserve_slot
+from mailflow.sendloop.outcome import NotSent, PreparedBatch, Refused, RunContext
+from mailflow.store.send_log import PostgresStore, mask_email
+from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any
 import psycopg
 
 from mailflow.campaigns import Campaign
-from mailflow.model import Accepted, DataInterval, Outcome, PreparedBatch, RunContext
+from mailflow.sendloop.outcome import Accepted, DataInterval, Outcome, PreparedBatch, RunContext
 
 LIFECYCLE = ("cc_life_a", "cc_life_b")
 SCHEDULED = (("cc_sched_defer", "defer", 2), ("cc_sched_skip", "skip", 3))
@@ -61,15 +61,15 @@ def _campaign(name: str, priority: int) -> Campaign:
 
 
 def _renderer() -> Any:
-    from mailflow.render import Renderer
-    from mailflow.unsubscribe import signer_from_secret
+    from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+    from mailflow.sendloop.render import Renderer
 
     return Renderer(signer_from_secret(SECRET), "https://mail.example.com", "https://app.example.com", mailto="")
 
 
 def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, rounds: int, held: Any) -> None:
-    from mailflow.engine import run_lifecycle
-    from mailflow.store import PostgresStore
+    from mailflow.sendloop.engine import run_lifecycle
+    from mailflow.store.send_log import PostgresStore
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         store = PostgresStore(conn)
@@ -87,7 +87,7 @@ def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, roun
 
 
 def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) -> None:
-    from mailflow import scheduled
+    from mailflow.sources import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         barrier.wait()
@@ -104,7 +104,7 @@ def _dispatch_worker(dsn: str, n: int, barrier: Any, done: Any, seconds: float) 
 
 
 def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any, pace: float) -> None:
-    from mailflow import scheduled
+    from mailflow.sources import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         barrier.wait()
@@ -119,7 +119,7 @@ def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any, pac
 def setup(dsn: str, users: int) -> list[int]:
     """Fresh users ``1..users`` and the two scheduled campaigns (drafts with their recipient lists);
     returns the campaign ids. Expects a migrated database with the demo app schema."""
-    from mailflow import scheduled
+    from mailflow.sources import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.campaign_address,"
@@ -218,9 +218,9 @@ def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mailflow.contact_chaos [--users N] [--lifecycle N] [--dispatchers N] [--rounds N]
+    """``python -m mailflow_dev.contact_chaos [--users N] [--lifecycle N] [--dispatchers N] [--rounds N]
     [--dsn DSN]``: prints the counts as JSON; exit 1 if an invariant is not 0."""
-    p = argparse.ArgumentParser(prog="mailflow.contact_chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="mailflow_dev.contact_chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=20000)
     p.add_argument("--lifecycle", type=int, default=4)
@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"),
                    help="maintenance DSN of a server to create a scratch database on (default: embedded)")
     args = p.parse_args(argv)
-    from mailflow import devenv
-    from mailflow.demo.loader import schema_sql
-    from mailflow.migrate import migrate
+    from mailflow.store.migrate import migrate
+    from mailflow_dev import devenv
+    from mailflow_dev.demo.loader import schema_sql
 
     pgdata = devenv.STATE / "pgdata-test"
     started = not args.dsn and not devenv.embedded_running(pgdata)

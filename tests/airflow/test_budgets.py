@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from mailflow import budgets
+from mailflow.orchestration import budgets
 
 DAGS = Path(__file__).resolve().parents[2] / "dags"
 
@@ -91,7 +91,7 @@ def test_a_task_checks_with_the_connections_real_timeouts(monkeypatch: pytest.Mo
     """A connection with slower timeouts makes the default lifecycle budget too long: refused before sending."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from mailflow.tasks import budget_fits
+    from mailflow.orchestration.tasks import budget_fits
 
     monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
         "conn_type": "resend", "host": "http://127.0.0.1:9", "password": "re_x", "extra": {"timeout_seconds": 30}}))
@@ -110,7 +110,7 @@ def test_dag_test_refuses_a_budget_that_cannot_fit_and_fails_a_slow_connection_b
     default budget too long fails the task once (no retry) before any request reaches the provider."""
     from airflow.sdk.exceptions import ParamValidationError
 
-    from mailflow import devenv
+    from mailflow_dev import devenv
 
     monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
     monkeypatch.setenv("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", json.dumps({"conn_type": "generic", "password": "s" * 32}))

@@ -13,9 +13,9 @@ import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
 
-from mailflow import devenv
 from mailflow.campaigns import load_campaigns
 from mailflow.emulator.testing import EmulatorProcess
+from mailflow_dev import devenv
 
 DAGS = ROOT / "dags"
 
@@ -111,7 +111,7 @@ def test_campaigns_param_is_an_enum_of_the_declared_names_and_refuses_a_typo(dag
 def test_a_bad_campaigns_param_fails_the_task_at_once_without_retries() -> None:
     from airflow.sdk.exceptions import AirflowFailException
 
-    from mailflow.tasks import campaigns_param
+    from mailflow.orchestration.tasks import campaigns_param
 
     assert [c.name for c in campaigns_param({"campaigns": ["upgrade_offer"]})] == ["upgrade_offer"]
     assert len(campaigns_param({"campaigns": []})) == len(load_campaigns())

@@ -14,16 +14,16 @@ import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
 
-from mailflow import devenv
 from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.engine import run_lifecycle
-from mailflow.model import DataInterval
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.store import PostgresStore
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import DataInterval
+from mailflow.sendloop.render import Renderer
+from mailflow.store.send_log import PostgresStore
+from mailflow_dev import devenv
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -40,7 +40,7 @@ def dagbag() -> Any:
 def test_deliverability_feedback_dag_shape(dagbag: Any) -> None:
     from airflow.sdk import CronDataIntervalTimetable
 
-    from mailflow.assets import SEND_LOG
+    from mailflow.orchestration.assets import SEND_LOG
 
     assert dagbag.import_errors == {}
     dag = dagbag.dags["deliverability_feedback"]

@@ -13,9 +13,10 @@ import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
 
-from mailflow import devenv, scheduled
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.planner import PlanSpec, plan_send_times
+from mailflow.sources import scheduled
+from mailflow.sources.scheduled.planning import PlanSpec, plan_send_times
+from mailflow_dev import devenv
 
 DAGS = ROOT / "dags"
 IDS = ("provision_campaign", "dispatch_scheduled_emails")

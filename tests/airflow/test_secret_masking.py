@@ -31,7 +31,7 @@ import io, json, logging, sys
 from airflow.sdk.log import configure_logging
 buf = io.StringIO()
 configure_logging(json_output=True, output=buf, sending_to_supervisor=False, cache_logger_on_first_use=False)
-from mailflow.tasks import unsubscribe_signer
+from mailflow.orchestration.tasks import unsubscribe_signer
 from mailflow.provider.hook import ResendHook
 from mailflow import masking, settings
 from airflow.sdk import BaseHook
@@ -41,7 +41,7 @@ masking.mask_connection(BaseHook.get_connection(settings.SEND_LOG_CONN_ID))  # w
 log = logging.getLogger("airflow.task")
 log.info("key=%s current=%s old1=%s old2=%s db=%s note=%s", {API_KEY!r}, {SIGNING!r}, {OLD_1!r}, {OLD_2!r},
          {DB_PASSWORD!r}, {VISIBLE!r})
-logging.getLogger("mailflow.tasks").warning("quoted old key: %s", {__import__('urllib.parse').parse.quote(OLD_2, safe='')!r})
+logging.getLogger("mailflow.orchestration.tasks").warning("quoted old key: %s", {__import__('urllib.parse').parse.quote(OLD_2, safe='')!r})
 sys.stdout.write(buf.getvalue())
 """
 

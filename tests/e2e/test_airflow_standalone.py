@@ -45,9 +45,10 @@ import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
 
-from mailflow import cli, devenv
+from mailflow import cli
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.migrate import migrate
+from mailflow.store.migrate import migrate
+from mailflow_dev import devenv
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from airflow_local import (  # noqa: E402
@@ -104,7 +105,7 @@ def airflow(pg_admin_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     send_log_dsn = devenv.create_database(pg_admin_dsn, log_db, exist_ok=False)
     with psycopg.connect(send_log_dsn, autocommit=True) as conn:
         migrate(conn)
-        from mailflow.demo.loader import schema_sql
+        from mailflow_dev.demo.loader import schema_sql
 
         conn.execute(schema_sql())
     emulator = EmulatorProcess(outbox=tmp / "outbox.jsonl", rate_limit=10, seed=1).start()

@@ -30,7 +30,7 @@ import psycopg
 import pytest
 from conftest import ROOT
 
-from mailflow import devenv
+from mailflow_dev import devenv
 
 pytestmark = pytest.mark.slow
 USERS = "300"

@@ -33,7 +33,7 @@ import psycopg
 import pytest
 from conftest import ROOT
 
-from mailflow import devenv
+from mailflow_dev import devenv
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from airflow_local import AirflowApi, free_port, group_alive  # noqa: E402

@@ -39,11 +39,12 @@ import pytest
 from conftest import ROOT
 from send_log_demo import current_hour, lifecycle_run_context, make_client, renderer, run_lifecycle_once
 
-from mailflow import devenv, scheduled
-from mailflow.demo.loader import load_demo_data
 from mailflow.emulator.testing import EmulatorProcess, free_port
-from mailflow.migrate import migrate
-from mailflow.model import RunContext
+from mailflow.sendloop.outcome import RunContext
+from mailflow.sources import scheduled
+from mailflow.store.migrate import migrate
+from mailflow_dev import devenv
+from mailflow_dev.demo.loader import load_demo_data
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "artifacts" / "test_progress_page"
@@ -241,7 +242,7 @@ def test_by_default_addresses_are_masked_for_everyone(server: Server, monkeypatc
     """The data layer with the setting unset (in-process app; no auth, so no user to authorise)."""
     from fastapi.testclient import TestClient
 
-    from mailflow.ui.progress import create_app
+    from mailflow.orchestration.ui.progress import create_app
 
     monkeypatch.delenv("MAILFLOW_UI_SHOW_ADDRESSES", raising=False)
     with TestClient(create_app(lambda: psycopg.connect(server.send_log_dsn), auth=False)) as client:

@@ -35,12 +35,12 @@ from send_log_demo import (
     run_lifecycle_once,
 )
 
-from mailflow import devenv
 from mailflow.campaigns import load_campaigns
-from mailflow.demo.loader import load_demo_data
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.migrate import migrate
-from mailflow.policy import normalise_address
+from mailflow.store.migrate import migrate
+from mailflow.store.policy import normalise_address
+from mailflow_dev import devenv
+from mailflow_dev.demo.loader import load_demo_data
 
 VIEWS = ("campaign_daily", "campaign_progress", "email_status", "user_email_history")
 
@@ -590,8 +590,8 @@ def test_q10_emails_per_user_in_30_days(demo: Demo) -> None:
 def test_q11_who_was_held_back_by_the_contact_policy_and_why(db: psycopg.Connection, db_dsn: str) -> None:
     """Two scheduled campaigns due now for users 1-3; user 1 was emailed 2 days ago, user 2 is
     emailed by the first campaign: the second campaign defers user 1 (and 2), the skip campaign skips."""
-    from mailflow import scheduled
-    from mailflow.contact_chaos import AcceptAll, _renderer
+    from mailflow.sources import scheduled
+    from mailflow_dev.contact_chaos import AcceptAll, _renderer
 
     db.execute("truncate mail.campaign_event, mail.campaign_recipient, mail.campaign restart identity cascade")
     db.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"

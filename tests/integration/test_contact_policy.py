@@ -17,14 +17,15 @@ from conftest import UNSUBSCRIBE_SECRET
 from test_lifecycle_send import RacingConnection, add_user, simple_campaign
 from test_lifecycle_send import Rig as LRig
 
-from mailflow import contact_chaos, scheduled
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.model import DataInterval, SendError
-from mailflow.planner import plan_day, plan_send_times
-from mailflow.policy import Cap, ContactPolicy
-from mailflow.render import Renderer
-from mailflow.store import PostgresStore, lock_contacts
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.sendloop.outcome import DataInterval, SendError
+from mailflow.sendloop.render import Renderer
+from mailflow.sources import scheduled
+from mailflow.sources.scheduled.planning import plan_day, plan_send_times
+from mailflow.store.policy import Cap, ContactPolicy
+from mailflow.store.send_log import PostgresStore, lock_contacts
+from mailflow_dev import contact_chaos
 
 
 def test_concurrent_lifecycle_and_scheduled_claimers_never_mail_a_user_twice(db: psycopg.Connection,

@@ -21,8 +21,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from mailflow.demo import LoadSummary, load_demo_data
-from mailflow.demo.__main__ import main as demo_cli
+from mailflow_dev.demo import LoadSummary, load_demo_data
+from mailflow_dev.demo.__main__ import main as demo_cli
 
 ANCHOR = datetime(2025, 3, 10, 12, 0, tzinfo=UTC)
 USERS = 5000

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import psycopg
 
-from mailflow.sql import query
+from mailflow.store.sql import query
 
 WHO = {"dag_id": "test", "run_id": "test", "task_id": "test"}
 

@@ -14,16 +14,16 @@ import psycopg
 import pytest
 from conftest import UNSUBSCRIBE_SECRET
 
-from mailflow.alerts import feedback_alert
 from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.engine import run_lifecycle
-from mailflow.feedback import FeedbackSummary, poll_feedback
-from mailflow.model import DataInterval, RunContext
+from mailflow.feedback.deliverability import FeedbackSummary, poll_feedback
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.orchestration.alerts import feedback_alert
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import DataInterval, RunContext
+from mailflow.sendloop.render import Renderer
 
 H = timedelta(hours=1)
 NOW_ISH = timedelta(0)
@@ -65,7 +65,7 @@ class Rig:
     def send(self, name: str) -> dict[int, str]:
         """One lifecycle run of a campaign over every app user, its interval ending a minute from the
         database's now (cooldown 0: earlier sends do not hold anyone back); returns user -> status."""
-        from mailflow.store import PostgresStore
+        from mailflow.store.send_log import PostgresStore
 
         end = self.db.execute("select date_trunc('minute', now()) + interval '1 minute'").fetchone()[0]  # type: ignore[index]
         campaign = Campaign(name=name, priority=1, audience_sql="select user_id, email, first_name from app.users",
@@ -260,7 +260,7 @@ def test_every_suppression_decision_is_a_send_event_even_when_already_suppressed
 
 
 def test_a_sending_only_key_fails_the_poll_saying_it_needs_a_full_access_key(rig: Rig) -> None:
-    from mailflow.feedback import FeedbackError
+    from mailflow.feedback.deliverability import FeedbackError
 
     rig.users({1: "user1@example.com"})
     rig.send("feedback_a")

@@ -24,14 +24,14 @@ from conftest import UNSUBSCRIBE_SECRET
 from mailflow import cli
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.engine import run_lifecycle
-from mailflow.model import CampaignSummary, DataInterval, RunContext, SendError
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.reconcile import reconcile_by_index
-from mailflow.render import Renderer
-from mailflow.store import PostgresStore
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.sendloop.apply_by_index import reconcile_by_index
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import CampaignSummary, DataInterval, RunContext, SendError
+from mailflow.sendloop.render import Renderer
+from mailflow.store.send_log import PostgresStore
 
 END = datetime(2026, 3, 10, 12, 0, tzinfo=UTC)
 INTERVAL = DataInterval(END - timedelta(hours=1), END)

@@ -16,9 +16,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from mailflow import devenv
-from mailflow import migrate as migrator
-from mailflow.migrate import Migration, SchemaNotCurrent, migrate, migration_files, require_current
+from mailflow.store import migrate as migrator
+from mailflow.store.migrate import Migration, SchemaNotCurrent, migrate, migration_files, require_current
+from mailflow_dev import devenv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,7 +174,7 @@ def test_cli_migrate_and_check(fresh: str) -> None:
 
 
 def test_scheduled_cli_refuses_a_behind_schema_instead_of_migrating(fresh: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from mailflow import scheduled
+    from mailflow.sources import scheduled
 
     with psycopg.connect(fresh, autocommit=True) as conn:
         migrate(conn, target=3)
@@ -187,12 +187,14 @@ def test_scheduled_cli_refuses_a_behind_schema_instead_of_migrating(fresh: str, 
 
 def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every task entry point fails with SchemaNotCurrent on a behind database and applies nothing."""
-    from mailflow import feedback, scheduled, tasks
+    from mailflow.feedback import deliverability as feedback
+    from mailflow.orchestration import tasks
+    from mailflow.sources import scheduled
 
     with psycopg.connect(fresh, autocommit=True) as conn:
         migrate(conn, target=3)
     monkeypatch.setattr(tasks, "send_log_connection", lambda: psycopg.connect(fresh))
-    monkeypatch.setattr(tasks, "unsubscribe_signer", lambda: __import__("mailflow.unsubscribe", fromlist=["x"])
+    monkeypatch.setattr(tasks, "unsubscribe_signer", lambda: __import__("mailflow.feedback.unsubscribe_tokens", fromlist=["x"])
                         .signer_from_secret("s" * 32))
 
     class TI:

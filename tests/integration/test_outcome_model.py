@@ -17,18 +17,18 @@ import pytest
 from conftest import UNSUBSCRIBE_SECRET
 from test_lifecycle_send import INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
 
-from mailflow import devenv
-from mailflow.demo.loader import schema_sql
 from mailflow.emulator.testing import free_port
-from mailflow.engine import run_lifecycle
-from mailflow.migrate import migrate
-from mailflow.model import RunContext, SendError
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.repair import reconcile
-from mailflow.store import PostgresStore
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.reconciler import reconcile
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import RunContext, SendError
+from mailflow.sendloop.render import Renderer
+from mailflow.store.migrate import migrate
+from mailflow.store.send_log import PostgresStore
+from mailflow_dev import devenv
+from mailflow_dev.demo.loader import schema_sql
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the sender's retries are spent at once: the rows go to the reconciler
 REPAIR = RunContext(dag_id="reconcile_send_log", run_id="r1", task_id="reconcile")

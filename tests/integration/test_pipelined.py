@@ -15,9 +15,9 @@ import test_scheduled as ts
 from test_lifecycle_send import END, INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
 from test_reconcile import REPAIR, age_claims, db_now
 
-from mailflow.model import PreparedBatch
-from mailflow.repair import reconcile
-from mailflow.store import PostgresStore
+from mailflow.reconciler import reconcile
+from mailflow.sendloop.outcome import PreparedBatch
+from mailflow.store.send_log import PostgresStore
 
 
 class Crash(BaseException):
@@ -214,7 +214,7 @@ def test_pipelined_dispatch_sends_every_due_row_once(srig: Any) -> None:
             finally:
                 self.in_flight -= 1
 
-    from mailflow import scheduled
+    from mailflow.sources import scheduled
 
     d = scheduled.dispatch(conn, Watching(), srig.renderer(), run=ts.RUN, budget_seconds=30, coalesce_seconds=0,
                            batch_size=100, pipelined=True)

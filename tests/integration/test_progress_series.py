@@ -1,4 +1,4 @@
-"""The progress page's chart data (``mailflow.ui.progress.load_series``) on a real send log:
+"""The progress page's chart data (``mailflow.orchestration.ui.progress.load_series``) on a real send log:
 exact buckets, zero-filling, the live/history switch and planned-vs-sent cumulative curves."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import psycopg
 
-from mailflow import scheduled
-from mailflow.ui.progress import load_series
+from mailflow.orchestration.ui.progress import load_series
+from mailflow.sources import scheduled
 
 
 def t(*args: int) -> datetime:

@@ -8,11 +8,11 @@ import logging
 import pytest
 from test_lifecycle_send import END, INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
 
-from mailflow.alerts import dead_letter_alert
-from mailflow.clock import FakeClock
-from mailflow.model import RunContext
+from mailflow.orchestration.alerts import dead_letter_alert
 from mailflow.provider.client import RetryPolicy
-from mailflow.repair import reconcile
+from mailflow.reconciler import reconcile
+from mailflow.sendloop.clock import FakeClock
+from mailflow.sendloop.outcome import RunContext
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the answer is lost and not retried: outcome unknown
 REPAIR = RunContext(dag_id="reconcile_send_log", run_id="r1", task_id="reconcile")
@@ -75,8 +75,8 @@ def test_claimed_but_never_requested_is_sent_by_the_reconciler(rig: Rig) -> None
 
     from conftest import UNSUBSCRIBE_SECRET
 
-    from mailflow.render import Renderer
-    from mailflow.unsubscribe import signer_from_secret
+    from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+    from mailflow.sendloop.render import Renderer
 
     renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
     minted = store.mint_chunk(c, c.window(INTERVAL), INTERVAL.end - c.cooldown, after=0, limit=100, run=RUN,
@@ -162,7 +162,7 @@ def test_chaos_short(pg_admin_dsn: str) -> None:
     """`make chaos` with 20 kills: every fault kind of issue 12 (its own database, one emulator),
     kills of the sender, the dispatcher and the reconciler, the 6 h outage and the quota day on the
     simulated clock; every invariant of the per-fault table is exactly 0."""
-    from mailflow.chaos import COLUMNS, SCENARIOS, failed, run_chaos, table
+    from mailflow_dev.chaos import COLUMNS, SCENARIOS, failed, run_chaos, table
 
     report = run_chaos(pg_admin_dsn, kills=20, users=100, scheduled_users=30, seed=11, step_minutes=60,
                        settle=False, out=lambda *_: None)
@@ -186,7 +186,7 @@ def test_chaos_short(pg_admin_dsn: str) -> None:
 
 
 def test_a_row_that_cannot_render_names_the_user_and_keeps_what_was_recorded(rig: Rig) -> None:
-    from mailflow.render import RenderError
+    from mailflow.sendloop.render import RenderError
 
     for uid in range(1, 4):
         add_user(rig.db, uid)

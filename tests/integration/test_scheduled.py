@@ -23,16 +23,16 @@ import psycopg
 import pytest
 from conftest import UNSUBSCRIBE_SECRET
 
-from mailflow import scheduled
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.model import RunContext, SendError
-from mailflow.planner import PlanSpec, plan_send_times
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.repair import reconcile
-from mailflow.scheduled import CampaignStateError, DispatchSummary
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.reconciler import reconcile
+from mailflow.sendloop.outcome import RunContext, SendError
+from mailflow.sendloop.render import Renderer
+from mailflow.sources import scheduled
+from mailflow.sources.scheduled import CampaignStateError, DispatchSummary
+from mailflow.sources.scheduled.planning import PlanSpec, plan_send_times
 
 FAST_RETRY = RetryPolicy(max_attempts=2, base=0.01, cap=0.02)
 RUN = RunContext(dag_id="dispatch_scheduled_emails", run_id="test-run", task_id="dispatch")

@@ -11,8 +11,8 @@ import psycopg
 import pytest
 
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.loadgen import max_in_window, probe_in_new_process, run_concurrent
 from mailflow.provider.pacing import PostgresPacer
+from mailflow_dev.loadgen import max_in_window, probe_in_new_process, run_concurrent
 
 CAP = 10  # requests/s, the emulator's per-key limit (sliding 1 s window)
 

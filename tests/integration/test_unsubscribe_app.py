@@ -21,17 +21,17 @@ import psycopg
 import pytest
 from conftest import UNSUBSCRIBE_SECRET
 
-from mailflow import scheduled
 from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess, free_port
-from mailflow.engine import run_lifecycle
-from mailflow.model import DataInterval, RunContext
+from mailflow.feedback.unsubscribe_app import Unavailable, connect_factory, create_app
+from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.store import PostgresStore
-from mailflow.unsubscribe import UnsubscribeSigner, signer_from_secret
-from mailflow.unsubscribe_app import Unavailable, connect_factory, create_app
+from mailflow.sendloop.engine import run_lifecycle
+from mailflow.sendloop.outcome import DataInterval, RunContext
+from mailflow.sendloop.render import Renderer
+from mailflow.sources import scheduled
+from mailflow.store.send_log import PostgresStore
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx in its TestClient; it works
     warnings.simplefilter("ignore")
@@ -269,7 +269,7 @@ def test_the_next_audience_excludes_users_unsubscribed_from_that_list_or_from_al
 def _run(db_dsn: str, campaigns: list[Campaign], *, db: psycopg.Connection) -> set[tuple[str, int]]:
     """A lifecycle run with an in-process provider that accepts everything; returns the minted
     (campaign, user) pairs."""
-    from mailflow.model import Accepted, PreparedBatch
+    from mailflow.sendloop.outcome import Accepted, PreparedBatch
 
     class AcceptAll:
         def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Accepted:
@@ -329,7 +329,7 @@ def test_the_standalone_server_runs_with_uvicorn(db: psycopg.Connection, db_dsn:
     env.pop("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", None)
     log = tmp_path / "unsubscribe.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mailflow.unsubscribe_app", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "mailflow.feedback.unsubscribe_app", "--port", str(port),
                                  "--dsn", db_dsn], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -351,7 +351,7 @@ def test_the_standalone_server_runs_with_uvicorn(db: psycopg.Connection, db_dsn:
     text = log.read_text()
     assert UNSUBSCRIBE_SECRET not in text and token not in text  # no secret, no token in its log
 
-    missing = subprocess.run([sys.executable, "-m", "mailflow.unsubscribe_app", "--dsn", db_dsn],
+    missing = subprocess.run([sys.executable, "-m", "mailflow.feedback.unsubscribe_app", "--dsn", db_dsn],
                              env={k: v for k, v in env.items() if k != "MAILFLOW_UNSUBSCRIBE_SECRET"},
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "MAILFLOW_UNSUBSCRIBE_SECRET" in missing.stderr

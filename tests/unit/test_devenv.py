@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mailflow import devenv
+from mailflow_dev import devenv
 
 
 def test_a_server_marked_by_a_live_process_is_left_running(tmp_path: Path) -> None:

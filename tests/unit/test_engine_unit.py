@@ -1,4 +1,4 @@
-"""The send loop (mailflow.engine.run_lifecycle) with in-memory fakes: no database, no HTTP.
+"""The send loop (mailflow.sendloop.engine.run_lifecycle) with in-memory fakes: no database, no HTTP.
 
 The fake store keeps rows in a dict and applies the same exclusion rules as the SQL (one live row
 per user and campaign, cooldown across campaigns); the fake provider records every batch it gets
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from mailflow.campaigns import Campaign
-from mailflow.clock import FakeClock
-from mailflow.engine import MAX_BATCH, chunk_size_ok, run_lifecycle
-from mailflow.model import (
+from mailflow.sendloop.clock import FakeClock
+from mailflow.sendloop.engine import MAX_BATCH, chunk_size_ok, run_lifecycle
+from mailflow.sendloop.outcome import (
     Accepted,
     CampaignSummary,
     DataInterval,
@@ -31,8 +31,8 @@ from mailflow.model import (
     SendError,
     Unknown,
 )
-from mailflow.render import idempotency_key
-from mailflow.store import Applied, MintResult
+from mailflow.sendloop.render import idempotency_key
+from mailflow.store.send_log import Applied, MintResult
 
 END = datetime(2026, 3, 10, 12, 0, tzinfo=UTC)
 INTERVAL = DataInterval(END - timedelta(hours=1), END)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from mailflow.clock import FakeClock
-from mailflow.feedback import FeedbackError, PacedReader
+from mailflow.feedback.deliverability import FeedbackError, PacedReader
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import LocalPacer
+from mailflow.sendloop.clock import FakeClock
 
 PID = "4ef9a417-02e9-4d39-ad75-9611e0fcc33c"
 
@@ -138,7 +138,7 @@ def test_no_request_starts_at_or_after_the_deadline() -> None:
     (["user3@example.co"], "user3@example.com", False),
 ])
 def test_recipient_matches_normalised(to: object, address: str, same: bool) -> None:
-    from mailflow.feedback import recipient_matches
+    from mailflow.feedback.deliverability import recipient_matches
 
     assert recipient_matches(to, address) is same
 

@@ -1,4 +1,4 @@
-"""Tests for mailflow.planner: literal UTC expectations (incl. DST days) plus hypothesis properties."""
+"""Tests for mailflow.sources.scheduled.planning: literal UTC expectations (incl. DST days) plus hypothesis properties."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mailflow.planner import PlanSpec, PlanSummary, Window, plan_day, plan_send_times, summarize
+from mailflow.sources.scheduled.planning import (
+    PlanSpec,
+    PlanSummary,
+    Window,
+    plan_day,
+    plan_send_times,
+    summarize,
+)
 
 ALL_DAYS = frozenset(range(1, 8))
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -599,7 +606,7 @@ def test_midnight_windows_on_dst_days_exact(case: str):
 
 
 def test_plan_after_continues_across_midnight_like_one_plan():
-    from mailflow.scheduled import plan_after
+    from mailflow.sources.scheduled import plan_after
 
     spec = PlanSpec(timezone="Europe/Berlin", emails_per_day=7, weekdays=ALL_DAYS,
                     windows=("09:00-10:00", "23:00-03:30"))  # type: ignore[arg-type]

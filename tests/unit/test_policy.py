@@ -1,4 +1,4 @@
-"""The contact policy's rules (mailflow.policy.evaluate) and address hygiene, without a database."""
+"""The contact policy's rules (mailflow.store.policy.evaluate) and address hygiene, without a database."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mailflow.campaigns import CAMPAIGNS_DIR, load_campaigns
-from mailflow.policy import (
+from mailflow.store.policy import (
     Cap,
     Contact,
     ContactPolicy,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.model import Accepted, MintedRow, Unknown
-from mailflow.reconcile import reconcile_by_index
-from mailflow.render import Renderer, idempotency_key
-from mailflow.unsubscribe import InvalidToken, UnsubscribeSigner, signer_from_secret
+from mailflow.feedback.unsubscribe_tokens import InvalidToken, UnsubscribeSigner, signer_from_secret
+from mailflow.sendloop.apply_by_index import reconcile_by_index
+from mailflow.sendloop.outcome import Accepted, MintedRow, Unknown
+from mailflow.sendloop.render import Renderer, idempotency_key
 
 SECRET = "test-secret-0123456789abcdef"
 PUBLIC = "https://mail.example.com"
@@ -128,7 +128,7 @@ def test_missing_first_name_falls_back_and_missing_column_is_an_error(campaigns:
 
 def test_a_row_that_cannot_render_fails_the_batch_naming_campaign_template_and_user(
         campaigns: dict[str, Campaign]) -> None:
-    from mailflow.render import RenderError
+    from mailflow.sendloop.render import RenderError
 
     rows = fa_rows(2)
     broken = MintedRow(id=200, user_id=7777, email="x@example.com", context={"first_name": "A"})

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from mailflow.unsubscribe import signer_from_secret
-from mailflow.unsubscribe_app import Unavailable, signer_from_env
+from mailflow.feedback.unsubscribe_app import Unavailable, signer_from_env
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 
 SECRET = "test-secret-0123456789abcdef"
 OLD = "old-secret-0123456789abcdef"

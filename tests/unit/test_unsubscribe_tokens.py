@@ -20,9 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.model import MintedRow
-from mailflow.render import Renderer
-from mailflow.unsubscribe import (
+from mailflow.feedback.unsubscribe_tokens import (
     ExpiredToken,
     InvalidToken,
     UnsubscribeSigner,
@@ -31,6 +29,8 @@ from mailflow.unsubscribe import (
     signer_from_connection,
     signer_from_secret,
 )
+from mailflow.sendloop.outcome import MintedRow
+from mailflow.sendloop.render import Renderer
 
 SECRET = "test-secret-0123456789abcdef"
 OTHER = "another-secret-0123456789abcdef"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from mailflow.model import DataInterval, as_timedelta
-from mailflow.policy import Cap, ContactPolicy, policy_from_mapping
+from mailflow.sendloop.outcome import DataInterval, as_timedelta
+from mailflow.store.policy import Cap, ContactPolicy, policy_from_mapping
 
 CAMPAIGNS_DIR = Path(__file__).parent
 _REQUIRED = ("name", "priority", "audience", "template", "subject")
@@ -27,7 +27,7 @@ class Campaign:
     :ivar audience_sql: the campaign's own rule (SQL text, ``%(window_start)s``/``%(window_end)s``).
     :ivar cooldown: nobody with a live or sent email (any campaign) within this span is selected
         (the contact policy's cooldown, ``[policy] cooldown``).
-    :ivar caps: the contact policy's frequency caps (``[policy] caps``), see :mod:`mailflow.policy`.
+    :ivar caps: the contact policy's frequency caps (``[policy] caps``), see :mod:`mailflow.store.policy`.
     :ivar exempt: transactional mail (``policy = "exempt"``): not held back by the cooldown or caps
         (its emails still count as contacts for every other campaign).
     :ivar audience_window: the audience looks at ``[interval.end - audience_window, interval.end)``.

@@ -3,7 +3,7 @@ that hard-bounced, complained or are on the provider's suppression list, so no f
 
 The ``deliverability_feedback`` DAG calls :func:`feedback_task` every 30 minutes. One run reads the
 send log's ``sent`` emails of the last ``lookback`` hours that are due for a check (see
-``sql/queries/feedback.sql``), asks ``GET /emails/{provider id}`` for each (Resend's Email object,
+``store/sql/queries/feedback.sql``), asks ``GET /emails/{provider id}`` for each (Resend's Email object,
 field ``last_event``), and per email, in one transaction:
 
 * records what it saw in ``mail.delivery_status`` (last_event, checks, checked_at; ``final`` for
@@ -50,10 +50,10 @@ from typing import Any
 import httpx
 import psycopg
 
-from mailflow.model import RunContext
 from mailflow.provider.client import ResendClient, _error_fields, parse_retry_after
 from mailflow.provider.errors import describe_refusal
-from mailflow.sql import query
+from mailflow.sendloop.outcome import RunContext
+from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
 
 def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int, email: str, provider_id: str,
             event: str, run: RunContext, reported: str = "") -> None:
-    from mailflow.store import mask_email
+    from mailflow.store.send_log import mask_email
 
     decision: str | None = None
     with conn.transaction():
@@ -324,9 +324,9 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
         its own connection).
     """
     from mailflow import settings
-    from mailflow.migrate import require_current
+    from mailflow.orchestration.tasks import budget_fits, send_log_connection
     from mailflow.provider.hook import ResendHook
-    from mailflow.tasks import budget_fits, send_log_connection
+    from mailflow.store.migrate import require_current
 
     params = context["params"]
     ti = context.get("ti")
@@ -351,7 +351,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
             client.close()
             log.info("provider requests: %s (%.1f s)", client.stats, time.monotonic() - started)
     if summary.alerts:
-        from mailflow.alerts import feedback_alert
+        from mailflow.orchestration.alerts import feedback_alert
 
         feedback_alert(summary.alerts, context)
     return summary.as_dict()

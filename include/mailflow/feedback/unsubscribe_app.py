@@ -2,7 +2,7 @@
 their domain (``MAILFLOW_PUBLIC_URL``), standalone or mounted in the Airflow API server.
 
 Every marketing email links to ``<public_url>/u/<token>`` (footer and ``List-Unsubscribe``); the
-token (:mod:`mailflow.unsubscribe`) names the user and the list. Behaviour (RFC 8058, and the
+token (:mod:`mailflow.feedback.unsubscribe_tokens`) names the user and the list. Behaviour (RFC 8058, and the
 Gmail/Yahoo bulk-sender rules):
 
 * ``POST /u/<token>`` with the body ``List-Unsubscribe=One-Click`` (form-urlencoded or
@@ -20,12 +20,12 @@ Gmail/Yahoo bulk-sender rules):
   ``Retry-After`` (the mail provider retries a one-click POST), never a 500 with a traceback.
 
 Suppressions land in ``mail.suppression`` (user_id, scope, source, created_at); the next audience
-selection (``sql/queries/lifecycle.sql``) and the scheduled dispatcher (which cancels a due row of
+selection (``store/sql/queries/lifecycle.sql``) and the scheduled dispatcher (which cancels a due row of
 a suppressed user) honour them. Pages are plain HTML built from escaped strings, with
 ``Cache-Control: no-store``, ``X-Robots-Tag: noindex``, ``Referrer-Policy: no-referrer`` and a CSP
 that forbids framing (a hidden confirm button cannot be clickjacked). Tokens are never logged.
 
-Run it: ``python -m mailflow.unsubscribe_app --port 8090 --dsn postgresql://...`` (secret from
+Run it: ``python -m mailflow.feedback.unsubscribe_app --port 8090 --dsn postgresql://...`` (secret from
 ``MAILFLOW_UNSUBSCRIBE_SECRET`` or ``AIRFLOW_CONN_MAIL_UNSUBSCRIBE``); in Airflow, the plugin
 ``plugins/mailflow_unsubscribe.py`` mounts :func:`create_airflow_app` at ``/mailflow-unsubscribe``.
 """
@@ -54,14 +54,14 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from mailflow import settings
-from mailflow.sql import query
-from mailflow.unsubscribe import (
+from mailflow.feedback.unsubscribe_tokens import (
     ALL_MARKETING,
     ExpiredToken,
     InvalidToken,
     UnsubscribeSigner,
     signer_from_connection,
 )
+from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
 
@@ -448,13 +448,13 @@ def create_airflow_app(brand: str = "Aptitude Practice") -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mailflow.unsubscribe_app [--host H] [--port 8090] [--dsn DSN]``: serve with uvicorn.
+    """``python -m mailflow.feedback.unsubscribe_app [--host H] [--port 8090] [--dsn DSN]``: serve with uvicorn.
 
     The DSN comes from ``--dsn``, ``MAILFLOW_UNSUBSCRIBE_DSN`` or ``MAILFLOW_DSN``; the secret from
     the environment (:func:`signer_from_env`). Exits with 2 if either is missing. The access log is
     off (paths carry tokens); the app logs user ids and lists only.
     """
-    p = argparse.ArgumentParser(prog="python -m mailflow.unsubscribe_app", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mailflow.feedback.unsubscribe_app", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8090)
     p.add_argument("--dsn", default=os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN"),

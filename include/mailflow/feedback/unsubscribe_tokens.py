@@ -10,7 +10,7 @@ clients) and both verified by the same :meth:`UnsubscribeSigner.verify`:
   where ``day`` is the UTC issue date as days since 1970-01-01 and ``sig`` is HMAC-SHA256 over
   ``"mailflow-unsubscribe-v2|<kid>.<user_id>.<list>.<day>"`` (domain-separated from v1, so a v1
   signature is never a v2 signature and the day cannot be dropped or changed). Issued only when the
-  caller passes the day (``token(..., issued=date)``; :class:`mailflow.render.Renderer` does so when
+  caller passes the day (``token(..., issued=date)``; :class:`mailflow.sendloop.render.Renderer` does so when
   built with ``issued_on``), which keeps rendering deterministic: the day is an input, never the
   clock. A signer with ``max_age_days`` refuses v2 tokens older than that (:class:`ExpiredToken`);
   v1 tokens carry no date and do not expire (retire their key to end them).

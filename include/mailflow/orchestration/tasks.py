@@ -7,9 +7,9 @@ import logging
 from typing import Any
 
 from mailflow import settings
+from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
 from mailflow.masking import mask_connection
-from mailflow.model import DataInterval, RunContext
-from mailflow.unsubscribe import UnsubscribeSigner, signer_from_secret
+from mailflow.sendloop.outcome import DataInterval, RunContext
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,11 @@ def campaigns_param(params: Any) -> list[Any]:
 def budget_fits(context: Any, budget_seconds: float, conn_id: str | None = None) -> float:
     """Return ``budget_seconds`` after checking, before anything is sent, that it fits the task's
     ``execution_timeout`` with the longest chunk of the provider connection ``conn_id`` (its
-    timeouts; default ``resend_default``); see :mod:`mailflow.budgets`.
+    timeouts; default ``resend_default``); see :mod:`mailflow.orchestration.budgets`.
 
     :raises airflow.sdk.exceptions.AirflowFailException: naming both numbers (not retried).
     """
-    from mailflow.budgets import check_budget
+    from mailflow.orchestration.budgets import check_budget
 
     task = context.get("task") if hasattr(context, "get") else None
     if getattr(task, "execution_timeout", None) is None:
@@ -98,12 +98,12 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     """
     from airflow.sdk.exceptions import AirflowFailException
 
-    from mailflow.engine import run_lifecycle
-    from mailflow.migrate import require_current
-    from mailflow.model import SendError
     from mailflow.provider.hook import ResendHook
-    from mailflow.render import Renderer
-    from mailflow.store import PostgresStore
+    from mailflow.sendloop.engine import run_lifecycle
+    from mailflow.sendloop.outcome import SendError
+    from mailflow.sendloop.render import Renderer
+    from mailflow.store.migrate import require_current
+    from mailflow.store.send_log import PostgresStore
 
     params = context["params"]
     if context.get("data_interval_start") is None or context.get("data_interval_end") is None:
@@ -152,10 +152,10 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     import time
     from datetime import timedelta
 
-    from mailflow.alerts import dead_letter_alert
-    from mailflow.migrate import require_current
+    from mailflow.orchestration.alerts import dead_letter_alert
     from mailflow.provider.hook import ResendHook
-    from mailflow.repair import reconcile
+    from mailflow.reconciler import reconcile
+    from mailflow.store.migrate import require_current
 
     params = context["params"]
     ti = context["ti"]

@@ -36,11 +36,11 @@ from typing import Any
 
 import httpx
 
-from mailflow.clock import Clock, SystemClock
-from mailflow.model import NotSent, Outcome, PreparedBatch, Refused, Unknown
 from mailflow.provider.errors import describe_refusal
 from mailflow.provider.pacing import Pacer
-from mailflow.reconcile import reconcile_by_index
+from mailflow.sendloop.apply_by_index import reconcile_by_index
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.sendloop.outcome import NotSent, Outcome, PreparedBatch, Refused, Unknown
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import httpx
 import psycopg
 from airflow.sdk import BaseHook
 
-from mailflow.clock import Clock
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import Pacer, PostgresPacer
+from mailflow.sendloop.clock import Clock
 
 DEFAULT_BASE_URL = "https://api.resend.com"
 

@@ -36,8 +36,8 @@ from typing import Protocol
 
 import psycopg
 
-from mailflow.clock import Clock, SystemClock
-from mailflow.sql import query
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ Resend's permissive batch answers ``{"data": [{"id"}...], "errors": [{"index", "
 (provider docs, batch validation modes). It does not state that ``data`` lists the accepted emails
 in request order; we rely on it (guarded by a contract test against the emulator and the official
 SDK) and refuse to guess whenever the response does not add up: then the outcome is
-:class:`~mailflow.model.Unknown` and the rows stay ``sending`` for the reconciler.
+:class:`~mailflow.sendloop.outcome.Unknown` and the rows stay ``sending`` for the reconciler.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mailflow.model import Accepted, Outcome, Unknown
+from mailflow.sendloop.outcome import Accepted, Outcome, Unknown
 
 
 def reconcile_by_index(request_size: int, payload: Any) -> Outcome:

@@ -1,7 +1,7 @@
 """The send loop: page -> mint -> render -> send one batch -> apply by index -> check the budget.
 
-The engine sees three narrow things: a :class:`~mailflow.store.Store` (the send log), a provider
-with ``send_batch(batch, deadline) -> Outcome`` and a :class:`~mailflow.clock.Clock`. It is tested
+The engine sees three narrow things: a :class:`~mailflow.store.send_log.Store` (the send log), a provider
+with ``send_batch(batch, deadline) -> Outcome`` and a :class:`~mailflow.sendloop.clock.Clock`. It is tested
 without Airflow; the DAG only builds these from connections and calls :func:`run_lifecycle`.
 """
 
@@ -16,8 +16,8 @@ from functools import partial
 from typing import Protocol
 
 from mailflow.campaigns import Campaign
-from mailflow.clock import Clock, SystemClock
-from mailflow.model import (
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.sendloop.outcome import (
     Accepted,
     CampaignSummary,
     DataInterval,
@@ -30,8 +30,8 @@ from mailflow.model import (
     SendError,
     Unknown,
 )
-from mailflow.render import Renderer
-from mailflow.store import Applied, Store
+from mailflow.sendloop.render import Renderer
+from mailflow.store.send_log import Applied, Store
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from urllib.parse import quote
 import jinja2
 
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
-from mailflow.model import MintedRow, PreparedBatch
-from mailflow.unsubscribe import UnsubscribeSigner
+from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner
+from mailflow.sendloop.outcome import MintedRow, PreparedBatch
 
 
 class RenderError(ValueError):

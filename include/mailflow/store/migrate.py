@@ -1,4 +1,4 @@
-"""Schema migrations of the send log: ``sql/migrations/NNNN_name.sql``, each applied once, in order.
+"""Schema migrations of the send log: ``store/sql/migrations/NNNN_name.sql``, each applied once, in order.
 
 One step applies them (``mailflow migrate``, the deploy's migrate job); tasks never migrate, they call
 :func:`require_current` and fail clearly when the database is behind the code (docs/operations.md,
@@ -55,7 +55,7 @@ class SchemaNotCurrent(RuntimeError):
 
 @dataclass(frozen=True)
 class Migration:
-    """One file of ``sql/migrations``: ``version`` (its NNNN), ``name`` (file name), ``sql`` (text),
+    """One file of ``store/sql/migrations``: ``version`` (its NNNN), ``name`` (file name), ``sql`` (text),
     ``transactional`` (False when its first line is :data:`NO_TRANSACTION`)."""
 
     version: int
@@ -82,7 +82,7 @@ def migration_files() -> list[Migration]:
     :raises ValueError: if two files share a version number, or a non-transactional file holds a
         ``$$`` body (it could not be split into statements safely).
     """
-    folder = resources.files("mailflow.sql").joinpath("migrations")
+    folder = resources.files("mailflow.store.sql").joinpath("migrations")
     found: dict[int, Migration] = {}
     for entry in folder.iterdir():
         m = _FILE.match(entry.name)

@@ -34,7 +34,7 @@ from typing import Any
 
 import email_validator
 
-from mailflow.model import as_timedelta
+from mailflow.sendloop.outcome import as_timedelta
 
 #: Statuses whose rows are contacts (see the module docstring); ``pending`` only for lifecycle mail.
 CONTACT_STATES = ("sent", "sending")

@@ -1,6 +1,6 @@
 """PostgreSQL adapter for the send log: the engine's *store* of rows.
 
-Every write is a named statement from ``sql/queries``; every state change is guarded on the
+Every write is a named statement from ``store/sql/queries``; every state change is guarded on the
 current state and appends a ``mail.send_event`` row in the same statement.
 """
 
@@ -18,9 +18,25 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
-from mailflow.model import Accepted, MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext, Unknown
-from mailflow.policy import Contact, ContactPolicy, Hold, contacts_from_rows, evaluate, normalise_address
-from mailflow.sql import query
+from mailflow.sendloop.outcome import (
+    Accepted,
+    MintedRow,
+    NotSent,
+    Outcome,
+    PreparedBatch,
+    Refused,
+    RunContext,
+    Unknown,
+)
+from mailflow.store.policy import (
+    Contact,
+    ContactPolicy,
+    Hold,
+    contacts_from_rows,
+    evaluate,
+    normalise_address,
+)
+from mailflow.store.sql import query
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,7 @@ class Store(Protocol):
 
 
 class PostgresStore:
-    """The send log in PostgreSQL (schema ``mail``, see ``sql/migrations``).
+    """The send log in PostgreSQL (schema ``mail``, see ``store/sql/migrations``).
 
     :param conn: a psycopg 3 connection, idle; the store switches it to autocommit so that nothing
         can hold a transaction open by accident: every unit of work is an explicit
@@ -430,7 +446,7 @@ def load_contacts(conn: psycopg.Connection, user_ids: Sequence[int], policy: Con
 
 def policy_hold(policy: ContactPolicy, contacts: dict[int, list[Contact]], user_id: int, *, ref: datetime,
                 now: datetime) -> Hold | None:
-    """:func:`mailflow.policy.evaluate` for one user of a :func:`load_contacts` result."""
+    """:func:`mailflow.store.policy.evaluate` for one user of a :func:`load_contacts` result."""
     return evaluate(policy, contacts.get(int(user_id), ()), ref=ref, now=now)
 
 

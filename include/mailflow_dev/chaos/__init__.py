@@ -24,7 +24,7 @@ Per fault kind:
    sent after recovery (still in an audience, a row left ``sending``, a scheduled row due and
    ``pending``, a dead letter, or a row failed although its email was valid). Each must be 0.
 
-The simulated clock: actors run on :class:`~mailflow.clock.FakeClock` (backoff, retry-after and
+The simulated clock: actors run on :class:`~mailflow.sendloop.clock.FakeClock` (backoff, retry-after and
 budget waits take no real time); an advance of the scenario clock by ``s`` seconds moves the
 emulator's clock (idempotency TTL, quota day) and ages every stored batch (``created_at``, which the
 reconciler's idempotency window reads) by ``s``. The ``outage`` kind holds a 6-hour outage (503s,
@@ -64,13 +64,13 @@ import httpx
 import psycopg
 
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.clock import Clock, FakeClock, SystemClock
 from mailflow.emulator.testing import EmulatorProcess, free_port
-from mailflow.model import DataInterval, RunContext, SendError
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.render import Renderer
-from mailflow.unsubscribe import signer_from_secret
+from mailflow.sendloop.clock import Clock, FakeClock, SystemClock
+from mailflow.sendloop.outcome import DataInterval, RunContext, SendError
+from mailflow.sendloop.render import Renderer
 
 ANCHOR = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 INTERVAL = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)
@@ -181,8 +181,9 @@ def _die() -> None:
 
 def _install_kill(plan: Plan) -> None:
     """Patch the actor's seams in THIS (forked) process so it dies at ``plan``."""
-    from mailflow import repair, scheduled
-    from mailflow.store import PostgresStore
+    from mailflow import reconciler as repair
+    from mailflow.sources import scheduled
+    from mailflow.store.send_log import PostgresStore
 
     state = {"entries": 0, "sends": 0, "armed": False}
 
@@ -240,10 +241,10 @@ def _client(spec: ActorSpec, clock: Clock) -> ResendClient:
 
 def run_actor(spec: ActorSpec) -> None:
     """One run of one actor (sender, dispatcher or reconciler) against ``spec.dsn``."""
-    from mailflow import scheduled
-    from mailflow.engine import run_lifecycle
-    from mailflow.repair import reconcile
-    from mailflow.store import PostgresStore
+    from mailflow.reconciler import reconcile
+    from mailflow.sendloop.engine import run_lifecycle
+    from mailflow.sources import scheduled
+    from mailflow.store.send_log import PostgresStore
 
     clock: Clock = SystemClock() if spec.sim_seconds is None else FakeClock(start=spec.sim_seconds)
     run = RunContext(dag_id=f"chaos_{spec.actor}", run_id=spec.run_id, task_id=spec.actor)
@@ -299,9 +300,9 @@ def fork_actor(spec: ActorSpec, plan: Plan | None, timeout: float = 120.0) -> in
 
 def build_template(dsn: str, *, users: int, scheduled_users: int, seed: int, workdir: Path) -> None:
     """Migrate ``dsn``, load demo users and create a scheduled campaign whose rows are all due."""
-    from mailflow import scheduled
-    from mailflow.demo.loader import load_demo_data
-    from mailflow.migrate import migrate
+    from mailflow.sources import scheduled
+    from mailflow.store.migrate import migrate
+    from mailflow_dev.demo.loader import load_demo_data
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         migrate(conn)
@@ -375,7 +376,7 @@ def advance(dsn: str, team: Team, seconds: float) -> None:
 
 def eligible_left(conn: psycopg.Connection, campaigns: tuple[Campaign, ...]) -> int:
     """Users still selectable by some lifecycle campaign for the interval."""
-    from mailflow.store import PostgresStore
+    from mailflow.store.send_log import PostgresStore
 
     store = PostgresStore(conn)
     return sum(store.count_audience(c, c.window(INTERVAL), INTERVAL.end - c.cooldown) for c in campaigns)
@@ -628,7 +629,7 @@ def _feedback(dsn: str, team: Team) -> dict[str, int]:
     a recipient mismatch (nothing suppressed)."""
     import logging
 
-    from mailflow.feedback import poll_feedback
+    from mailflow.feedback.deliverability import poll_feedback
 
     logging.getLogger("mailflow").setLevel(logging.CRITICAL)  # its per-email alerts are the point here
     with psycopg.connect(dsn) as conn, ResendClient(team.base_url, API_KEY, pacer=PostgresPacer(
@@ -765,7 +766,7 @@ def run_chaos(admin_dsn: str, *, kills: int = 200, users: int = 800, scheduled_u
     :param step_minutes: simulated minutes between the outage's runs (the quota's: 1.5 times this).
     :param settle: after recovery, one more round an hour (simulated) later that must change nothing.
     """
-    from mailflow import devenv
+    from mailflow_dev import devenv
 
     t0 = time.monotonic()
     prefix = f"mailflow_chaos_{os.getpid()}"
@@ -852,9 +853,9 @@ def failed(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mailflow.chaos [--kills N] [--users N] [--seed N] [--dsn DSN] [--json]``; exit 1
+    """``python -m mailflow_dev.chaos [--kills N] [--users N] [--seed N] [--dsn DSN] [--json]``; exit 1
     if any invariant is not 0."""
-    p = argparse.ArgumentParser(prog="mailflow.chaos", description=__doc__,
+    p = argparse.ArgumentParser(prog="mailflow_dev.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=200, help="SIGKILLs in all, spread over the fault kinds (default 200)")
     p.add_argument("--users", type=int, default=800, help="demo users per fault kind's database (default 800)")
@@ -869,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="maintenance DSN of a server to create scratch databases on "
                         "(default: $TEST_DATABASE_URL, else the embedded server)")
     args = p.parse_args(argv)
-    from mailflow import devenv
+    from mailflow_dev import devenv
 
     scenarios = SCENARIOS
     if args.only:

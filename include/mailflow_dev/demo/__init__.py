@@ -2,11 +2,11 @@
 
 Use :func:`load_demo_data` from Python, or the CLI::
 
-    python -m mailflow.demo --dsn "host=127.0.0.1 user=postgres dbname=demo" \\
+    python -m mailflow_dev.demo --dsn "host=127.0.0.1 user=postgres dbname=demo" \\
         [--users 5000] [--seed 42] [--anchor 2025-03-10T12:00:00Z] [--reset]
 """
 
-from mailflow.demo.loader import (
+from mailflow_dev.demo.loader import (
     ASSESSMENT_KINDS,
     LOCALES,
     MALFORMED_KINDS,

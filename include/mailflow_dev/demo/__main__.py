@@ -1,8 +1,8 @@
-"""CLI: ``python -m mailflow.demo --dsn DSN [--users N] [--seed N] [--anchor ISO] [--reset]``.
+"""CLI: ``python -m mailflow_dev.demo --dsn DSN [--users N] [--seed N] [--anchor ISO] [--reset]``.
 
 Creates schema ``app`` if needed, loads the demo population (unless
 ``app.users`` already has rows and ``--reset`` is not given) and prints the
-:class:`~mailflow.demo.loader.LoadSummary` line.  Exit status 0 on success
+:class:`~mailflow_dev.demo.loader.LoadSummary` line.  Exit status 0 on success
 (including "nothing loaded"), 2 on bad arguments, 1 on database errors.
 """
 
@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
-from mailflow.demo.loader import load_demo_data
+from mailflow_dev.demo.loader import load_demo_data
 
 
 def _parse_anchor(text: str) -> datetime:
@@ -36,7 +36,7 @@ def _default_anchor() -> datetime:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m mailflow.demo",
+        prog="python -m mailflow_dev.demo",
         description="Load deterministic demo users and assessments into schema 'app'.",
     )
     parser.add_argument("--dsn", required=True, help="libpq DSN or URL of the target database")

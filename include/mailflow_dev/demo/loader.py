@@ -150,7 +150,7 @@ class _User:
 
 def schema_sql() -> str:
     """Return the text of ``app_schema.sql`` (idempotent DDL for schema ``app``)."""
-    return resources.files("mailflow.demo").joinpath("app_schema.sql").read_text(encoding="utf-8")
+    return resources.files("mailflow_dev.demo").joinpath("app_schema.sql").read_text(encoding="utf-8")
 
 
 def load_demo_data(
@@ -217,7 +217,7 @@ def load_demo_data(
                     elapsed_s=time.perf_counter() - started,
                     message=(
                         f"app.users already has {n_users} rows: nothing loaded "
-                        f"(pass reset=True, or --reset to make demo / python -m mailflow.demo, to reload)"
+                        f"(pass reset=True, or --reset to make demo / python -m mailflow_dev.demo, to reload)"
                     ),
                 )
 

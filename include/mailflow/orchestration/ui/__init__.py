@@ -1,1 +1,1 @@
-"""Airflow UI extras of mailflow: the live campaign progress page (see :mod:`mailflow.ui.progress`)."""
+"""Airflow UI extras of mailflow: the live campaign progress page (see :mod:`mailflow.orchestration.ui.progress`)."""

@@ -60,7 +60,7 @@ from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
 from psycopg.rows import dict_row
 
 from mailflow import settings
-from mailflow.store import mask_email
+from mailflow.store.send_log import mask_email
 
 log = logging.getLogger(__name__)
 

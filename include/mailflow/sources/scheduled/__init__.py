@@ -3,7 +3,7 @@ due rows close to their time), and the operator's controls (create, cancel, paus
 complete, status). Plain Python over a psycopg 3 connection; Airflow is imported only inside the
 ``*_task`` callables the DAGs call.
 
-A campaign (``mail.campaign``) is a plan, :class:`mailflow.planner.PlanSpec` (IANA timezone,
+A campaign (``mail.campaign``) is a plan, :class:`mailflow.sources.scheduled.planning.PlanSpec` (IANA timezone,
 emails per day, ISO weekdays, local windows) anchored at a start, plus a recipient list (a SQL file
 in ``campaigns/recipients/`` or an uploaded table such as ``mail.campaign_recipient``). Each email
 is one ``kind = 'scheduled'`` row of ``mail.send_log`` with ``scheduled_at`` (UTC) and the lifecycle
@@ -35,7 +35,7 @@ Nobody is skipped, nobody is duplicated: rows keep their identity.
 of one campaign per batch, renders them, stores the batch bytes, all in one transaction, then sends
 through the same client, pacer and ``PostgresStore.apply`` as the lifecycle DAG.
 
-CLI: ``python -m mailflow.scheduled --dsn ... create|provision|cancel|pause|resume|status ...``.
+CLI: ``python -m mailflow.sources.scheduled --dsn ... create|provision|cancel|pause|resume|status ...``.
 """
 
 from __future__ import annotations
@@ -66,9 +66,16 @@ from psycopg.types.json import Jsonb
 
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
-from mailflow.clock import Clock, SystemClock
-from mailflow.engine import MAX_BATCH, ChunkPipeline, InFlight, release_unsent, reserve_slot, send_chunk
-from mailflow.model import (
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.sendloop.engine import (
+    MAX_BATCH,
+    ChunkPipeline,
+    InFlight,
+    release_unsent,
+    reserve_slot,
+    send_chunk,
+)
+from mailflow.sendloop.outcome import (
     Accepted,
     MintedRow,
     NotSent,
@@ -79,11 +86,17 @@ from mailflow.model import (
     SendError,
     Unknown,
 )
-from mailflow.planner import PlanSpec, Window, plan_day, plan_send_times, summarize
-from mailflow.policy import ON_POLICY, ContactPolicy, Hold, evaluate, load_policy, normalise_address
-from mailflow.render import Renderer, subject_template
-from mailflow.sql import query
-from mailflow.store import PostgresStore, duplicate_reason, load_contacts, lock_contacts, reserve_addresses
+from mailflow.sendloop.render import Renderer, subject_template
+from mailflow.sources.scheduled.planning import PlanSpec, Window, plan_day, plan_send_times, summarize
+from mailflow.store.policy import ON_POLICY, ContactPolicy, Hold, evaluate, load_policy, normalise_address
+from mailflow.store.send_log import (
+    PostgresStore,
+    duplicate_reason,
+    load_contacts,
+    lock_contacts,
+    reserve_addresses,
+)
+from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +217,7 @@ def _local_midnight(day: date, spec: PlanSpec) -> datetime:
 
 def _day_bounds(at: datetime, spec: PlanSpec) -> tuple[datetime, datetime]:
     """``[start, end)`` in UTC of the plan day of ``at`` in the campaign's zone (see
-    :func:`mailflow.planner.plan_day`: a window crossing midnight counts towards its first date)."""
+    :func:`mailflow.sources.scheduled.planning.plan_day`: a window crossing midnight counts towards its first date)."""
     day = plan_day(spec, at)
     return _local_midnight(day, spec), _local_midnight(day + timedelta(days=1), spec)
 
@@ -238,7 +251,7 @@ def plan_after(spec: PlanSpec, plan_start: datetime, plan_skip: int, planned_thr
 
 def _one(conn: psycopg.Connection, sql: str | pgsql.Composable, params: Mapping[str, Any]) -> dict[str, Any] | None:
     with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(sql, params)  # type: ignore[arg-type]  # named statements from sql/queries
+        cur.execute(sql, params)  # type: ignore[arg-type]  # named statements from store/sql/queries
         return cur.fetchone()
 
 
@@ -999,7 +1012,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     :param batch_size: emails per request, 1-100.
     :param policy: the contact policy (default: ``[policy]`` of ``campaigns/lifecycle.toml``).
     :param pipelined: claim, render and store batch N+1 while batch N is in flight
-        (:class:`mailflow.engine.ChunkPipeline`: one batch in flight, its answer applied on ``conn``;
+        (:class:`mailflow.sendloop.engine.ChunkPipeline`: one batch in flight, its answer applied on ``conn``;
         a crash leaves at most two claimed batches, both with their bytes, for the reconciler).
     :raises SendError: after recording everything, if the provider refused the key, an
         idempotency conflict needs a person, or an email could not be rendered (a recipient's
@@ -1132,8 +1145,8 @@ def _run_context(context: Mapping[str, Any]) -> RunContext:
 def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """The ``provision_campaign`` DAG's task: Params ``campaign_id`` (int), ``dry_run`` (bool),
     ``chunk_size`` (recipients per transaction). Returns the :class:`ProvisionSummary` as a dict."""
-    from mailflow.migrate import require_current
-    from mailflow.tasks import send_log_connection
+    from mailflow.orchestration.tasks import send_log_connection
+    from mailflow.store.migrate import require_current
 
     params = context["params"]
     with send_log_connection() as conn:
@@ -1150,9 +1163,9 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """The ``dispatch_scheduled_emails`` DAG's task: Params ``time_budget_seconds``,
     ``coalesce_seconds``. Builds the renderer and the paced Resend client from the connections and
     calls :func:`dispatch`. Returns the :class:`DispatchSummary` as a dict."""
-    from mailflow.migrate import require_current
+    from mailflow.orchestration.tasks import budget_fits, send_log_connection, unsubscribe_signer
     from mailflow.provider.hook import ResendHook
-    from mailflow.tasks import budget_fits, send_log_connection, unsubscribe_signer
+    from mailflow.store.migrate import require_current
 
     params = context["params"]
     budget = budget_fits(context, float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)))
@@ -1175,12 +1188,12 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mailflow.scheduled [--dsn DSN] COMMAND``; prints JSON.
+    """``python -m mailflow.sources.scheduled [--dsn DSN] COMMAND``; prints JSON.
 
     Commands: ``create SPEC.toml|SPEC.json``, ``provision CAMPAIGN [--dry-run] [--chunk N]``,
     ``cancel|pause|resume|status CAMPAIGN`` (CAMPAIGN = id or name), ``complete``.
     """
-    p = argparse.ArgumentParser(prog="python -m mailflow.scheduled", description="Scheduled campaigns.")
+    p = argparse.ArgumentParser(prog="python -m mailflow.sources.scheduled", description="Scheduled campaigns.")
     p.add_argument("--dsn", default=os.environ.get("MAILFLOW_DSN"), help="send-log database (or MAILFLOW_DSN)")
     p.add_argument("--actor", default=os.environ.get("USER"), help="recorded on campaign events")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1196,7 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
-    from mailflow.migrate import SchemaNotCurrent
+    from mailflow.store.migrate import SchemaNotCurrent
 
     try:
         out = _run_command(args)
@@ -1212,7 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> Any:
-    from mailflow.migrate import require_current
+    from mailflow.store.migrate import require_current
 
     with psycopg.connect(args.dsn) as conn:
         require_current(conn)  # the schema comes from `mailflow migrate`, never from this command

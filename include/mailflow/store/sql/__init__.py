@@ -1,4 +1,4 @@
-"""Named SQL statements loaded from ``sql/queries/*.sql``.
+"""Named SQL statements loaded from ``store/sql/queries/*.sql``.
 
 Each statement is a block that starts with ``-- name: <name>`` followed by one comment line on
 its purpose (and, where it matters, why it is safe). Values are always bound parameters
@@ -16,7 +16,7 @@ _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
 @cache
 def queries(domain: str) -> dict[str, str]:
-    """Return ``{name: sql}`` for ``sql/queries/<domain>.sql``.
+    """Return ``{name: sql}`` for ``store/sql/queries/<domain>.sql``.
 
     :raises KeyError: never here; a missing name raises ``KeyError`` at lookup.
     :raises ValueError: if a name is declared twice in one file.
@@ -26,11 +26,11 @@ def queries(domain: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in out:
-            raise ValueError(f"sql/queries/{domain}.sql declares {name!r} twice")
+            raise ValueError(f"store/sql/queries/{domain}.sql declares {name!r} twice")
         out[name] = body.strip().rstrip(";")
     return out
 
 
 def query(domain: str, name: str) -> str:
-    """Return the named statement ``name`` of ``sql/queries/<domain>.sql``."""
+    """Return the named statement ``name`` of ``store/sql/queries/<domain>.sql``."""
     return queries(domain)[name]
