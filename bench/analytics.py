@@ -81,7 +81,7 @@ def doc_queries() -> dict[int, tuple[dict[str, str], str]]:
 
 def checks(conn: psycopg.Connection) -> list[tuple[str, str, dict[str, Any], bool]]:
     """``(name, sql, params, must be index-backed)`` for the views, the page's queries and the doc's."""
-    from mailflow.orchestration.ui import progress
+    from mailflow.orchestration.ui import progress_queries as progress
 
     run_id = "scheduled__" + (ANCHOR - timedelta(days=1, hours=1)).strftime("%Y-%m-%dT%H:%M:%S") + "+00:00"
     user = conn.execute("select user_id from mail.send_log where run_id = %s limit 1", (run_id,)).fetchone()

@@ -40,9 +40,10 @@ from psycopg import sql as pgsql
 from bench import population
 from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, renderer
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import DataInterval, RunContext
-from mailflow.store.send_log import PostgresStore, caps_sql, eligible_sql
+from mailflow.sources.lifecycle import run_lifecycle
+from mailflow.store.contact_guard import caps_sql
+from mailflow.store.send_log import PostgresStore, eligible_sql
 from mailflow.store.sql import query as named_query
 
 ROOT = Path(__file__).resolve().parents[1]

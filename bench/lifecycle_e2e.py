@@ -1,7 +1,7 @@
 """End-to-end lifecycle utilisation (issue 16's headline): accepted emails per second of a real
 lifecycle run over the configured target rate.
 
-The real engine (:func:`mailflow.sendloop.engine.run_lifecycle`), :class:`~mailflow.store.send_log.PostgresStore`,
+The real engine (:func:`mailflow.sources.lifecycle.run_lifecycle`), :class:`~mailflow.store.send_log.PostgresStore`,
 :class:`~mailflow.sendloop.render.Renderer` with the campaigns' templates, :class:`ResendClient` and the
 shared :class:`PostgresPacer`, against the emulator over HTTP at a cap of 10 requests/s (50 ms
 latency per request), over the population of :mod:`bench.population`: 1,000,000 users and ~5,000,000
@@ -52,8 +52,8 @@ from mailflow.emulator.testing import EmulatorProcess
 from mailflow.provider.client import ResendClient, parse_retry_after
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.sendloop.clock import SystemClock
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import DataInterval, MintedRow, RunContext
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 
 CAP = 10.0  # requests/s, the emulator's limit (sliding 1 s window)

@@ -51,8 +51,8 @@ def child(mode: str, dsn: str, end: datetime, chunks: int) -> dict[str, Any]:
     """Run inside the subprocess: ``streaming`` (the engine) or ``naive`` (fetch all)."""
     from bench.common import ChunkClock, InstantProvider, renderer
     from mailflow.campaigns import load_campaigns
-    from mailflow.sendloop.engine import run_lifecycle
     from mailflow.sendloop.outcome import DataInterval, RunContext
+    from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.send_log import PostgresStore
 
     campaigns = load_campaigns(only=["first_practice"])

@@ -37,8 +37,8 @@ from bench.common import (
     scratch_database,
 )
 from mailflow.campaigns import load_campaigns
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import DataInterval, MintedRow, RunContext
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 
 SLOT_MS = 100.0  # one request slot at the provider's 10 requests/s cap

@@ -67,7 +67,7 @@ with DAG(
     @task(pool="email_provider", execution_timeout=POLL_TIMEOUT, outlets=[SEND_LOG])
     def poll_feedback(**context) -> dict:
         """Check recent sends' status; suppress hard bounces and complaints; returns counts."""
-        from mailflow.feedback.deliverability import feedback_task
+        from mailflow.orchestration.tasks import feedback_task
 
         return feedback_task(context)
 

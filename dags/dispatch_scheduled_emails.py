@@ -60,7 +60,7 @@ with DAG(
     @task(pool="email_provider", execution_timeout=DISPATCH_TIMEOUT, outlets=[SEND_LOG])
     def dispatch(**context) -> dict:
         """Send due scheduled emails until nothing is due within the budget; returns counts."""
-        from mailflow.sources.scheduled import dispatch_task
+        from mailflow.orchestration.tasks import dispatch_task
 
         return dispatch_task(context)
 

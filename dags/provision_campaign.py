@@ -46,7 +46,7 @@ with DAG(
     @task(execution_timeout=timedelta(minutes=30), outlets=[SEND_LOG])
     def provision(**context) -> dict:
         """Provision (or dry-run) the campaign; returns the provisioning summary."""
-        from mailflow.sources.scheduled import provision_task
+        from mailflow.orchestration.tasks import provision_task
 
         return provision_task(context)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from mailflow.feedback.unsubscribe_app import create_airflow_app
+from mailflow.orchestration.unsubscribe import create_airflow_app
 
 URL_PREFIX = "/mailflow-unsubscribe"
 

@@ -19,9 +19,9 @@ from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import CampaignSummary, DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
+from mailflow.sources.lifecycle import run_lifecycle
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "send_log.md"

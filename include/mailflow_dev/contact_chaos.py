@@ -68,7 +68,7 @@ def _renderer() -> Any:
 
 
 def _lifecycle_worker(dsn: str, n: int, names: Sequence[str], barrier: Any, rounds: int, held: Any) -> None:
-    from mailflow.sendloop.engine import run_lifecycle
+    from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.send_log import PostgresStore
 
     with psycopg.connect(dsn, autocommit=True) as conn:

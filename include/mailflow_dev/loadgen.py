@@ -19,8 +19,8 @@ import psycopg
 
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import LocalPacer, Pacer, PostgresPacer
+from mailflow.sendloop.keys import idempotency_key
 from mailflow.sendloop.outcome import Accepted, PreparedBatch
-from mailflow.sendloop.render import idempotency_key
 
 
 def synthetic_batches(n_emails: int, *, first_id: int, batch_size: int = 100,

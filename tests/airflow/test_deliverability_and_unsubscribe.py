@@ -19,9 +19,9 @@ from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import DataInterval
 from mailflow.sendloop.render import Renderer
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 from mailflow_dev import devenv
 

@@ -23,8 +23,9 @@ from mailflow.sendloop.outcome import DataInterval, SendError
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled.planning import plan_day, plan_send_times
+from mailflow.store.contact_guard import lock_contacts
 from mailflow.store.policy import Cap, ContactPolicy
-from mailflow.store.send_log import PostgresStore, lock_contacts
+from mailflow.store.send_log import PostgresStore
 from mailflow_dev import contact_chaos
 
 

@@ -21,9 +21,9 @@ from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.orchestration.alerts import feedback_alert
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
+from mailflow.sources.lifecycle import run_lifecycle
 
 H = timedelta(hours=1)
 NOW_ISH = timedelta(0)

@@ -28,9 +28,9 @@ from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.sendloop.apply_by_index import reconcile_by_index
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import CampaignSummary, DataInterval, RunContext, SendError
 from mailflow.sendloop.render import Renderer
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 
 END = datetime(2026, 3, 10, 12, 0, tzinfo=UTC)

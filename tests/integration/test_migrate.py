@@ -187,9 +187,7 @@ def test_scheduled_cli_refuses_a_behind_schema_instead_of_migrating(fresh: str, 
 
 def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every task entry point fails with SchemaNotCurrent on a behind database and applies nothing."""
-    from mailflow.feedback import deliverability as feedback
     from mailflow.orchestration import tasks
-    from mailflow.sources import scheduled
 
     with psycopg.connect(fresh, autocommit=True) as conn:
         migrate(conn, target=3)
@@ -203,8 +201,8 @@ def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytes
     import pendulum
     context = {"params": {"campaign_id": 1}, "ti": TI(), "data_interval_start": pendulum.datetime(2026, 1, 1),
                "data_interval_end": pendulum.datetime(2026, 1, 1, 1)}
-    for call in (tasks.lifecycle, tasks.reconcile_send_log, feedback.feedback_task,
-                 scheduled.provision_task, scheduled.dispatch_task):
+    for call in (tasks.lifecycle, tasks.reconcile_send_log, tasks.feedback_task,
+                 tasks.provision_task, tasks.dispatch_task):
         with pytest.raises(SchemaNotCurrent, match="0004_analytics.sql"):
             call(context)
     with psycopg.connect(fresh) as conn:

@@ -22,9 +22,9 @@ from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sendloop.render import Renderer
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.migrate import migrate
 from mailflow.store.send_log import PostgresStore
 from mailflow_dev import devenv

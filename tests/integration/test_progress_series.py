@@ -1,4 +1,4 @@
-"""The progress page's chart data (``mailflow.orchestration.ui.progress.load_series``) on a real send log:
+"""The progress page's chart data (``mailflow.orchestration.ui.progress_queries.load_series``) on a real send log:
 exact buckets, zero-filling, the live/history switch and planned-vs-sent cumulative curves."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from mailflow.orchestration.ui.progress import load_series
+from mailflow.orchestration.ui.progress_queries import load_series
 from mailflow.sources import scheduled
 
 

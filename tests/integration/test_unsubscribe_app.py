@@ -27,10 +27,10 @@ from mailflow.feedback.unsubscribe_app import Unavailable, connect_factory, crea
 from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.engine import run_lifecycle
 from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx in its TestClient; it works

@@ -1,4 +1,4 @@
-"""The send loop (mailflow.sendloop.engine.run_lifecycle) with in-memory fakes: no database, no HTTP.
+"""The send loop (mailflow.sources.lifecycle.run_lifecycle) with in-memory fakes: no database, no HTTP.
 
 The fake store keeps rows in a dict and applies the same exclusion rules as the SQL (one live row
 per user and campaign, cooldown across campaigns); the fake provider records every batch it gets
@@ -17,7 +17,8 @@ import pytest
 
 from mailflow.campaigns import Campaign
 from mailflow.sendloop.clock import FakeClock
-from mailflow.sendloop.engine import MAX_BATCH, chunk_size_ok, run_lifecycle
+from mailflow.sendloop.engine import MAX_BATCH, chunk_size_ok
+from mailflow.sendloop.keys import idempotency_key
 from mailflow.sendloop.outcome import (
     Accepted,
     CampaignSummary,
@@ -31,7 +32,7 @@ from mailflow.sendloop.outcome import (
     SendError,
     Unknown,
 )
-from mailflow.sendloop.render import idempotency_key
+from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import Applied, MintResult
 
 END = datetime(2026, 3, 10, 12, 0, tzinfo=UTC)

@@ -4,6 +4,7 @@
 ``mailflow.emulator.testing.EmulatorProcess`` runs it as a subprocess for tests.
 """
 
-from mailflow.emulator.app import EmulatorConfig, create_app
+from mailflow.emulator.app import create_app
+from mailflow.emulator.config import EmulatorConfig
 
 __all__ = ["EmulatorConfig", "create_app"]

@@ -14,7 +14,8 @@ import sys
 
 import uvicorn
 
-from mailflow.emulator.app import EmulatorConfig, create_app
+from mailflow.emulator.app import create_app
+from mailflow.emulator.config import EmulatorConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

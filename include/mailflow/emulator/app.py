@@ -6,6 +6,9 @@ batch validation modes, Idempotency-Key semantics, rate-limit headers, quota err
 
 Honesty rules: an email is "accepted" only once its outbox line is written and flushed; idempotent
 replays write nothing; faults are drawn from a seeded ``random.Random`` so a run is reproducible.
+
+The :class:`Emulator` class is one cohesive thing (the emulated API's state and request
+handling), hence over 400 lines; validation rules and configuration are in their own modules.
 """
 
 from __future__ import annotations
@@ -17,150 +20,31 @@ import logging
 import math
 import os
 import random
-import re
-import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from email.utils import formatdate
 from functools import lru_cache
 from typing import Any, TextIO
 
-from email_validator import EmailNotValidError, validate_email
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mailflow.emulator.config import EmulatorConfig, coerce_update
+from mailflow.emulator.validation import ApiError, _check_address, validate_email_payload
+
 log = logging.getLogger("mailflow.emulator")
 
-ADDRESS_FORMAT = "needs to follow the `email@example.com` or `Name <email@example.com>` format."
+
 MAX_BATCH = 100  # contract "POST /emails/batch": 1 to 100 emails
-MAX_RECIPIENTS = 50  # spec SendEmailRequest.to: max 50
+
 MAX_BODY_BYTES = 40 * 1024 * 1024  # Resend: an email may be up to 40 MB including attachments
 MAX_IDEMPOTENCY_KEY = 256  # contract "Idempotency-Key": 1 to 256 characters
-_TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # spec Tag.name / Tag.value
+
 _TEST_DOMAIN_EVENTS = {"bounced": "bounced", "complained": "complained", "delivered": "delivered"}
-
-
-@dataclass
-class EmulatorConfig:
-    """Emulator settings. Fields marked (runtime) can be changed through ``POST /_emulator/config``.
-
-    Rates are fractions in [0, 1]; durations are named with their unit. ``clock`` returns epoch
-    seconds and is injectable (idempotency TTL and the rate-limit window use it).
-    """
-
-    outbox: str | None = None  # JSON-lines file, one line per accepted email (None: no file)
-    api_keys: tuple[str, ...] = ("re_test_emulator",)
-    control: bool = True  # register the unauthenticated /_emulator/* control API
-    rate_limit: float = 10.0  # (runtime) requests per second per TEAM (shared by every API key; Resend's
-    #   pages have said 2, 5 and 10), sliding 1 s window; 0 = off
-    quota_emails: int | None = None  # (runtime) accepted emails per UTC day (emulator clock) before 429
-    #   daily_quota_exceeded; the count starts again at the next UTC midnight
-    error_rate: float = 0.0  # (runtime) POSTs answered 500 internal_server_error before processing
-    error_after_rate: float = 0.0  # (runtime) sends processed (outbox written, key recorded), then
-    #   answered with error_after_status: an edge 5xx after the origin accepted the batch
-    error_after_status: int = 502  # (runtime) 500, 502, 503 or 504
-    outage: bool = False  # (runtime) every API request answered 503 before processing (a long outage)
-    latency_ms: float = 0.0  # (runtime) added to every API request
-    latency_jitter_ms: float = 0.0  # (runtime) uniform extra 0..jitter
-    timeout_rate: float = 0.0  # (runtime) requests that hang hang_seconds, then 500, nothing sent
-    hang_seconds: float = 30.0  # (runtime)
-    reset_after_accept_rate: float = 0.0  # (runtime) sends accepted + recorded, response lost
-    reset_mode: str = "abort"  # (runtime) "abort": truncated response, connection closed; "hang"
-    strict_only: bool = False  # (runtime) ignore x-batch-validation: permissive
-    scramble_order: bool = False  # (runtime) shuffle batch `data` order: a deliberately broken provider
-    bounce: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "bounced"
-    complain: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "complained"
-    suppress: tuple[str, ...] = ()  # (runtime) recipients on the account's suppression list: last_event "suppressed"
-    fail: tuple[str, ...] = ()  # (runtime) recipients whose email failed to send: last_event "failed"
-    retry_after_style: str = "seconds"  # (runtime) "seconds" | "fraction" | "http-date" (contract)
-    store_bodies: bool = True  # (runtime) keep html/text in memory for GET /emails/{id}
-    domain: str = "mailflow.example"  # the one fake verified domain of GET /domains ("" = none)
-    # Key types and domain checks (contract "Errors"; all off by default):
-    restricted_keys: tuple[str, ...] = ()  # (runtime) sending-only keys: accepted by POST /emails and
-    #   /emails/batch only; any other endpoint answers 401 restricted_api_key
-    check_from_domain: bool = False  # (runtime) a `from` outside `domain` (or its subdomains): 403 validation_error
-    test_only: bool = False  # (runtime) an account without a verified domain: recipients other than
-    #   owner_email get 403 validation_error
-    owner_email: str = "owner@mailflow.example"  # (runtime) the account owner's address (test_only)
-    seed: int = 0  # (runtime) seeds the fault RNG (re-seeded on reset)
-    idempotency_ttl_seconds: float = 86400.0  # contract: keys kept for 24 hours
-    # JSON-lines journal of idempotency records (API key hashed): loaded at start-up (records younger
-    # than the TTL), appended on every recorded 200, so a restarted emulator still recognises a resend
-    idempotency_store: str | None = None
-    clock: Any = time.time  # () -> epoch seconds
-
-    def __post_init__(self) -> None:
-        self.api_keys = tuple(self.api_keys)
-        self.bounce = tuple(a.strip().lower() for a in self.bounce)
-        self.complain = tuple(a.strip().lower() for a in self.complain)
-        self.suppress = tuple(a.strip().lower() for a in self.suppress)
-        self.fail = tuple(a.strip().lower() for a in self.fail)
-        self.restricted_keys = tuple(self.restricted_keys)
-
-    def public(self) -> dict[str, Any]:
-        """The JSON-serialisable settings (everything but ``clock``)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "clock"}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-
-_RUNTIME = {
-    "rate_limit", "quota_emails", "error_rate", "latency_ms", "latency_jitter_ms", "timeout_rate",
-    "hang_seconds", "reset_after_accept_rate", "reset_mode", "strict_only", "scramble_order",
-    "bounce", "complain", "retry_after_style", "store_bodies", "seed",
-    "restricted_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
-    "error_after_rate", "error_after_status", "outage",
-}
-_CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date"),
-            "error_after_status": (500, 502, 503, 504)}
-
-
-def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig:
-    """Return ``cfg`` with a partial ``update`` applied; ValueError on an unknown key or bad value."""
-    changes: dict[str, Any] = {}
-    for key, value in update.items():
-        if key not in _RUNTIME:
-            raise ValueError(f"unknown or read-only setting {key!r}")
-        if key in ("bounce", "complain", "suppress", "fail", "restricted_keys"):
-            items = [value] if isinstance(value, str) else value
-            if not isinstance(items, list | tuple) or not all(isinstance(a, str) for a in items):
-                raise ValueError(f"{key} must be a list of {'keys' if key == 'restricted_keys' else 'addresses'}")
-            value = tuple(items)
-        elif key == "owner_email":
-            if not isinstance(value, str) or _check_address(value) is None:
-                raise ValueError("owner_email must be an email address")
-        elif key in ("strict_only", "scramble_order", "store_bodies", "check_from_domain", "test_only",
-                     "outage"):
-            if not isinstance(value, bool):
-                raise ValueError(f"{key} must be a boolean")
-        elif key in _CHOICES:
-            if value not in _CHOICES[key]:
-                raise ValueError(f"{key} must be one of {_CHOICES[key]}")
-        elif key in ("quota_emails", "seed"):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{key} must be a non-negative integer or null")
-            if key == "seed" and value is None:
-                raise ValueError("seed must be an integer")
-        else:
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{key} must be a non-negative number")
-            if key.endswith("_rate") and key != "rate_limit" and value > 1:
-                raise ValueError(f"{key} is a fraction in [0, 1]")
-            value = float(value)
-        changes[key] = value
-    return replace(cfg, **changes)
-
-
-class ApiError(Exception):
-    """An error answered with Resend's body ``{"statusCode", "name", "message"}`` (contract "Errors")."""
-
-    def __init__(self, status: int, name: str, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.name, self.message, self.headers = status, name, message, headers or {}
 
 
 def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
@@ -171,94 +55,6 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Respo
 def _error(err: ApiError, headers: dict[str, str] | None = None) -> Response:
     body = {"statusCode": err.status, "name": err.name, "message": err.message}
     return _json(err.status, body, {**(headers or {}), **err.headers})
-
-
-# A conservative dot-atom subset that email_validator always accepts when the domain is valid:
-# lets a batch of 100 unique recipients skip 100 full validations (the domain is checked once).
-_SIMPLE_ADDR = re.compile(r"^[A-Za-z0-9_%+-]+(?:\.[A-Za-z0-9_%+-]+)*@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)$")
-
-
-@lru_cache(maxsize=65536)
-def _full_check(value: str) -> str | None:
-    try:
-        info = validate_email(value, check_deliverability=False, allow_display_name=True)
-    except EmailNotValidError:
-        return None
-    return str(info.normalized).lower()
-
-
-def _check_address(value: str) -> str | None:
-    """The normalised lower-case address of ``addr`` or ``Name <addr>``, or None if invalid.
-
-    The verdict is email_validator's (check_deliverability=False); simple addresses reuse its
-    cached verdict on their domain.
-    """
-    value = value.strip()
-    m = _SIMPLE_ADDR.match(value)
-    if m and len(value) <= 254 and value.index("@") <= 64:
-        return value.lower() if _full_check("x@" + m.group(1)) is not None else None
-    return _full_check(value)
-
-
-def _addresses(email: dict[str, Any], field: str, required: bool) -> list[str]:
-    """Validate an address field (string or list); returns it as a list of the given strings."""
-    value = email.get(field)
-    if value is None:
-        if required:
-            raise ApiError(422, "missing_required_field", f"Missing `{field}` field.")
-        return []
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items or not all(isinstance(a, str) for a in items):
-        raise ApiError(422, "validation_error", f"Invalid `{field}` field. The email address {ADDRESS_FORMAT}")
-    if len(items) > MAX_RECIPIENTS:
-        raise ApiError(422, "validation_error", f"Too many recipients in `{field}`: the maximum is {MAX_RECIPIENTS}.")
-    for addr in items:
-        if _check_address(addr) is None:
-            raise ApiError(422, "validation_error", f"Invalid `{field}` field. The email address {ADDRESS_FORMAT}")
-    return [a.strip() for a in items]
-
-
-def validate_email_payload(email: Any, in_batch: bool) -> dict[str, Any]:
-    """Check one email object like Resend does; return its normalised fields or raise ApiError(422)."""
-    if not isinstance(email, dict):
-        raise ApiError(422, "validation_error", "Each email must be a JSON object.")
-    frm = email.get("from")
-    if frm is None:
-        raise ApiError(422, "missing_required_field", "Missing `from` field.")
-    if not isinstance(frm, str) or _check_address(frm) is None:
-        raise ApiError(422, "validation_error", f"Invalid `from` field. The email address {ADDRESS_FORMAT}")
-    to = _addresses(email, "to", required=True)
-    subject = email.get("subject")
-    if subject is None:
-        raise ApiError(422, "missing_required_field", "Missing `subject` field.")
-    if not isinstance(subject, str) or not subject.strip():
-        raise ApiError(422, "validation_error", "Invalid `subject` field. It must be a non-empty string.")
-    html, text = email.get("html"), email.get("text")
-    for name, val in (("html", html), ("text", text)):
-        if val is not None and not isinstance(val, str):
-            raise ApiError(422, "validation_error", f"Invalid `{name}` field. It must be a string.")
-    if not html and not text:
-        raise ApiError(422, "validation_error", "Missing `html` or `text` field.")
-    headers = email.get("headers") or {}
-    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-        raise ApiError(422, "validation_error", "Invalid `headers` field. It must be an object of string values.")
-    tags = email.get("tags") or []
-    if not isinstance(tags, list) or not all(
-        isinstance(t, dict) and isinstance(t.get("name"), str) and _TAG_RE.match(t["name"])
-        and isinstance(t.get("value", ""), str) and (t.get("value", "") == "" or _TAG_RE.match(t["value"]))
-        for t in tags
-    ):
-        raise ApiError(422, "validation_error", "Invalid `tags` field. Tag names and values can only contain "
-                       "ASCII letters, numbers, underscores or dashes, at most 256 characters.")
-    for name in ("attachments", "scheduled_at"):
-        if in_batch and email.get(name) is not None:
-            raise ApiError(422, "validation_error", f"`{name}` is not supported in batch emails.")
-    return {
-        "from": frm.strip(), "to": to, "subject": subject, "html": html, "text": text,
-        "cc": _addresses(email, "cc", False), "bcc": _addresses(email, "bcc", False),
-        "reply_to": _addresses(email, "reply_to", False), "headers": headers, "tags": tags,
-        "scheduled_at": email.get("scheduled_at"), "attachments": len(email.get("attachments") or []),
-    }
 
 
 @lru_cache(maxsize=64)

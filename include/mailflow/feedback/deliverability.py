@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import email.utils
 import logging
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -300,58 +299,3 @@ def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int
         summary.failed += 1
     elif event == MISMATCH:
         summary.mismatched += 1
-
-
-def _poll_or_fail(conn: psycopg.Connection, client: ResendClient, **kw: Any) -> FeedbackSummary:
-    """:func:`poll_feedback`, with a refused key turned into a failure without retries (the same key
-    is refused again: a person must change the connection)."""
-    try:
-        return poll_feedback(conn, client, **kw)
-    except FeedbackError as exc:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        raise AirflowFailException(str(exc)) from None
-
-
-def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
-    """The ``deliverability_feedback`` DAG's task: Params ``lookback_hours``, ``min_age_minutes``,
-    ``recheck_after_minutes``, ``max_checks_per_email``, ``max_emails_per_run``,
-    ``time_budget_seconds``. Connections ``send_log_db`` and ``settings.FEEDBACK_CONN_ID``. Returns the
-    :class:`FeedbackSummary` as a dict.
-
-    :raises airflow.sdk.exceptions.AirflowFailException: if the provider refuses the API key (not
-        retried; a sending-only key: use a full-access key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name
-        its own connection).
-    """
-    from mailflow import settings
-    from mailflow.orchestration.tasks import budget_fits, send_log_connection
-    from mailflow.provider.hook import ResendHook
-    from mailflow.store.migrate import require_current
-
-    params = context["params"]
-    ti = context.get("ti")
-    budget = budget_fits(context, float(params.get("time_budget_seconds", 600)), settings.FEEDBACK_CONN_ID)
-    started = time.monotonic()
-    with send_log_connection() as conn:
-        conn.autocommit = True
-        require_current(conn)
-        client = ResendHook(settings.FEEDBACK_CONN_ID).get_conn()
-        try:
-            summary = _poll_or_fail(
-                conn, client,
-                lookback=timedelta(hours=float(params.get("lookback_hours", 48))),
-                min_age=timedelta(minutes=float(params.get("min_age_minutes", 5))),
-                recheck_after=timedelta(minutes=float(params.get("recheck_after_minutes", 120))),
-                max_checks=int(params.get("max_checks_per_email", 4)),
-                limit=int(params.get("max_emails_per_run", 500)),
-                budget_seconds=budget,
-                run=RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id) if ti is not None else None,
-            )
-        finally:
-            client.close()
-            log.info("provider requests: %s (%.1f s)", client.stats, time.monotonic() - started)
-    if summary.alerts:
-        from mailflow.orchestration.alerts import feedback_alert
-
-        feedback_alert(summary.alerts, context)
-    return summary.as_dict()

@@ -44,16 +44,16 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import psycopg
-from psycopg.conninfo import make_conninfo
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mailflow import settings
+from mailflow.feedback.unsubscribe_pages import _confirm_form, _page, _scope_label
 from mailflow.feedback.unsubscribe_tokens import (
     ALL_MARKETING,
     ExpiredToken,
@@ -74,14 +74,6 @@ SECRET_ENV = "MAILFLOW_UNSUBSCRIBE_SECRET"
 DSN_ENV = "MAILFLOW_UNSUBSCRIBE_DSN"
 MAX_BODY_BYTES = 16 * 1024  # a one-click body is 26 bytes; anything this large is not a mail client
 RETRY_AFTER_SECONDS = 120
-_SECURITY_HEADERS = {
-    "Cache-Control": "no-store",
-    "X-Robots-Tag": "noindex, nofollow",
-    "Referrer-Policy": "no-referrer",
-    "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": ("default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
-                                "frame-ancestors 'none'; base-uri 'none'"),
-}
 
 
 class Unavailable(RuntimeError):
@@ -131,47 +123,6 @@ class _Lazy:
                     raise Unavailable(f"the unsubscribe signing secret could not be loaded "
                                       f"({type(exc).__name__})") from None
             return self._value
-
-
-# -- pages -----------------------------------------------------------------------------------------
-
-
-def _scope_label(scope: str) -> str:
-    if scope == ALL_MARKETING:
-        return "all marketing emails from us"
-    return f"the \u201c{scope.replace('_', ' ')}\u201d emails"
-
-
-def _page(title: str, body_html: str, status: int, *, brand: str, head_only: bool = False,
-          headers: Mapping[str, str] | None = None) -> Response:
-    doc = (
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-        "<meta name=\"robots\" content=\"noindex, nofollow\">"
-        f"<title>{html.escape(title)} \u2013 {html.escape(brand)}</title>"
-        "<style>body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:34rem;"
-        "margin:3rem auto;padding:0 1rem;color:#1f2933;line-height:1.5}"
-        "button{font-size:1rem;padding:.6rem 1.2rem;border-radius:.4rem;border:0;background:#1f2933;"
-        "color:#fff;cursor:pointer}label{display:block;margin:.4rem 0}.muted{color:#616e7c}</style>"
-        f"</head><body><h1>{html.escape(title)}</h1>{body_html}"
-        f"<p class=\"muted\">{html.escape(brand)}</p></body></html>\n"
-    )
-    all_headers = {**_SECURITY_HEADERS, **(headers or {})}
-    if head_only:
-        return Response(b"", status_code=status, headers=all_headers, media_type="text/html; charset=utf-8")
-    return HTMLResponse(doc, status_code=status, headers=all_headers)
-
-
-def _confirm_form(scope: str) -> str:
-    # no action attribute: the form posts to the page's own URL, whatever prefix it is mounted under
-    widen = "" if scope == ALL_MARKETING else (
-        "<label><input type=\"checkbox\" name=\"scope\" value=\"all\"> "
-        "Also stop all other marketing emails</label>")
-    return ("<form method=\"post\"><input type=\"hidden\" name=\"confirm\" value=\"yes\">"
-            f"{widen}<p><button type=\"submit\">Unsubscribe</button></p></form>")
-
-
-# -- the app ---------------------------------------------------------------------------------------
 
 
 def _form_fields(body: bytes) -> list[tuple[str, str]]:
@@ -319,9 +270,6 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
-# -- configuration: secrets and the database --------------------------------------------------------
-
-
 def _conn_env_name(conn_id: str) -> str:
     return f"AIRFLOW_CONN_{conn_id.upper()}"
 
@@ -366,28 +314,6 @@ def signer_from_env(environ: Mapping[str, str] | None = None) -> UnsubscribeSign
     raise Unavailable(f"no unsubscribe signing secret: set {SECRET_ENV} or {_conn_env_name(settings.UNSUBSCRIBE_CONN_ID)}")
 
 
-def signer_from_airflow() -> UnsubscribeSigner:
-    """The signer from the environment, else the Airflow connection ``mail_unsubscribe`` (through
-    the configured secrets backends; in the API server also the metadata database).
-
-    :raises Unavailable: if there is no secret anywhere.
-    """
-    try:
-        return signer_from_env()
-    except Unavailable as env_error:
-        try:
-            from airflow.sdk import BaseHook
-
-            conn = BaseHook.get_connection(settings.UNSUBSCRIBE_CONN_ID)
-        except Exception:
-            raise Unavailable(f"{env_error}; and the Airflow connection {settings.UNSUBSCRIBE_CONN_ID!r} "
-                              f"is not defined") from None
-        try:
-            return signer_from_connection(conn.password, conn.extra_dejson or {})
-        except ValueError as exc:
-            raise Unavailable(f"connection {settings.UNSUBSCRIBE_CONN_ID!r}: {exc}") from None
-
-
 def connect_factory(dsn: str, *, connect_timeout: int = 5, statement_timeout_ms: int = 5000) -> Connect:
     """A :data:`Connect` for ``dsn`` with short connect and statement timeouts (seconds, ms), so a
     sick database gives a quick 503 instead of hanging mail providers."""
@@ -395,56 +321,6 @@ def connect_factory(dsn: str, *, connect_timeout: int = 5, statement_timeout_ms:
         return psycopg.connect(dsn, connect_timeout=connect_timeout,
                                options=f"-c statement_timeout={int(statement_timeout_ms)}")
     return connect
-
-
-class _AirflowDsn:
-    """The send-log DSN, resolved on first use and cached: ``MAILFLOW_UNSUBSCRIBE_DSN``, else the
-    Airflow connection ``send_log_db`` (host, port, login, password, schema = database, extras
-    such as ``sslmode``)."""
-
-    def __init__(self) -> None:
-        self._dsn: str | None = None
-        self._lock = threading.Lock()
-
-    def dsn(self) -> str:
-        if self._dsn is None:
-            with self._lock:
-                if self._dsn is None:
-                    self._dsn = os.environ.get(DSN_ENV) or self._from_airflow()
-        return self._dsn
-
-    @staticmethod
-    def _from_airflow() -> str:
-        try:
-            from airflow.sdk import BaseHook
-
-            c = BaseHook.get_connection(settings.SEND_LOG_CONN_ID)
-        except Exception:
-            raise Unavailable(f"no send-log database: set {DSN_ENV} or the Airflow connection "
-                              f"{settings.SEND_LOG_CONN_ID!r}") from None
-        params: dict[str, Any] = {k: v for k, v in (c.extra_dejson or {}).items()
-                                  if k in ("sslmode", "sslrootcert", "sslcert", "sslkey", "target_session_attrs")}
-        parts = {"host": c.host, "port": c.port, "user": c.login, "password": c.password, "dbname": c.schema}
-        params.update({k: v for k, v in parts.items() if v})
-        return make_conninfo("", **params)
-
-    def connect(self) -> psycopg.Connection:
-        return connect_factory(self.dsn())()
-
-
-def create_airflow_app(brand: str = "Aptitude Practice") -> Any:
-    """The endpoint wrapped in a tiny FastAPI app for an Airflow 3 plugin's ``fastapi_apps``.
-
-    Nothing is resolved at import or start-up: the secret and the database are looked up on the
-    first request (environment first, then Airflow connections), so the API server starts even if
-    they are missing and the endpoint answers 503 until they exist. It is public: recipients are
-    not Airflow users, and the token is the only credential.
-    """
-    from fastapi import FastAPI
-
-    api = FastAPI(title="mailflow unsubscribe", openapi_url=None, docs_url=None, redoc_url=None)
-    api.mount("/", create_app(signer_from_airflow, _AirflowDsn().connect, brand=brand))
-    return api
 
 
 def main(argv: list[str] | None = None) -> int:

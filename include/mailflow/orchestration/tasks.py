@@ -3,13 +3,23 @@ and call the engine. DAG files import this lazily, inside tasks, so parsing stay
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import psycopg
 
 from mailflow import settings
 from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
 from mailflow.masking import mask_connection
 from mailflow.sendloop.outcome import DataInterval, RunContext
+
+if TYPE_CHECKING:
+    from mailflow.feedback.deliverability import FeedbackSummary
+    from mailflow.provider.client import ResendClient
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +109,9 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     from airflow.sdk.exceptions import AirflowFailException
 
     from mailflow.provider.hook import ResendHook
-    from mailflow.sendloop.engine import run_lifecycle
     from mailflow.sendloop.outcome import SendError
     from mailflow.sendloop.render import Renderer
+    from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.migrate import require_current
     from mailflow.store.send_log import PostgresStore
 
@@ -149,8 +159,6 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     Params: ``stale_after_seconds`` (default MAILFLOW_STALE_AFTER_SECONDS or 900),
     ``time_budget_seconds``. (Whole-request failures never charge users, so there is no attempts cap.)
     """
-    import time
-    from datetime import timedelta
 
     from mailflow.orchestration.alerts import dead_letter_alert
     from mailflow.provider.hook import ResendHook
@@ -174,4 +182,107 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
             client.close()
     log.info("reconcile: %s", summary.as_dict())
     dead_letter_alert(summary.dead_letters, context)
+    return summary.as_dict()
+
+
+def _run_context(context: Mapping[str, Any]) -> RunContext:
+    ti = context["ti"]
+    return RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
+
+
+def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``provision_campaign`` DAG's task: Params ``campaign_id`` (int), ``dry_run`` (bool),
+    ``chunk_size`` (recipients per transaction). Returns the :class:`ProvisionSummary` as a dict."""
+    from mailflow.sources.scheduled.provisioning import provision
+    from mailflow.store.migrate import require_current
+
+    params = context["params"]
+    with send_log_connection() as conn:
+        require_current(conn)
+        summary = provision(conn, int(params["campaign_id"]), now=datetime.now(UTC),
+                            chunk=int(params.get("chunk_size") or 5000), dry_run=bool(params.get("dry_run")),
+                            run=_run_context(context))
+    out = summary.as_dict()
+    log.info("provisioning summary: %s", json.dumps(out))
+    return out
+
+
+def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``dispatch_scheduled_emails`` DAG's task: Params ``time_budget_seconds``,
+    ``coalesce_seconds``. Builds the renderer and the paced Resend client from the connections and
+    calls :func:`dispatch`. Returns the :class:`DispatchSummary` as a dict."""
+    from mailflow.provider.hook import ResendHook
+    from mailflow.sendloop.render import Renderer
+    from mailflow.sources.scheduled.dispatcher import COALESCE_SECONDS, DISPATCH_BUDGET_SECONDS, dispatch
+    from mailflow.store.migrate import require_current
+
+    params = context["params"]
+    budget = budget_fits(context, float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)))
+    renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
+    with send_log_connection() as conn:
+        require_current(conn)
+        client = ResendHook(settings.RESEND_CONN_ID).get_conn()
+        try:
+            summary = dispatch(conn, client, renderer, run=_run_context(context),
+                               budget_seconds=budget,
+                               coalesce_seconds=float(params.get("coalesce_seconds", COALESCE_SECONDS)),
+                               pipelined=settings.pipelined())
+        finally:
+            client.close()
+            log.info("provider requests: %s", client.stats)
+    return summary.as_dict()
+
+
+def _poll_or_fail(conn: psycopg.Connection, client: ResendClient, **kw: Any) -> FeedbackSummary:
+    """:func:`poll_feedback`, with a refused key turned into a failure without retries (the same key
+    is refused again: a person must change the connection)."""
+    from mailflow.feedback.deliverability import FeedbackError, poll_feedback
+
+    try:
+        return poll_feedback(conn, client, **kw)
+    except FeedbackError as exc:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(str(exc)) from None
+
+
+def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
+    """The ``deliverability_feedback`` DAG's task: Params ``lookback_hours``, ``min_age_minutes``,
+    ``recheck_after_minutes``, ``max_checks_per_email``, ``max_emails_per_run``,
+    ``time_budget_seconds``. Connections ``send_log_db`` and ``settings.FEEDBACK_CONN_ID``. Returns the
+    :class:`FeedbackSummary` as a dict.
+
+    :raises airflow.sdk.exceptions.AirflowFailException: if the provider refuses the API key (not
+        retried; a sending-only key: use a full-access key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name
+        its own connection).
+    """
+    from mailflow.provider.hook import ResendHook
+    from mailflow.store.migrate import require_current
+
+    params = context["params"]
+    ti = context.get("ti")
+    budget = budget_fits(context, float(params.get("time_budget_seconds", 600)), settings.FEEDBACK_CONN_ID)
+    started = time.monotonic()
+    with send_log_connection() as conn:
+        conn.autocommit = True
+        require_current(conn)
+        client = ResendHook(settings.FEEDBACK_CONN_ID).get_conn()
+        try:
+            summary = _poll_or_fail(
+                conn, client,
+                lookback=timedelta(hours=float(params.get("lookback_hours", 48))),
+                min_age=timedelta(minutes=float(params.get("min_age_minutes", 5))),
+                recheck_after=timedelta(minutes=float(params.get("recheck_after_minutes", 120))),
+                max_checks=int(params.get("max_checks_per_email", 4)),
+                limit=int(params.get("max_emails_per_run", 500)),
+                budget_seconds=budget,
+                run=RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id) if ti is not None else None,
+            )
+        finally:
+            client.close()
+            log.info("provider requests: %s (%.1f s)", client.stats, time.monotonic() - started)
+    if summary.alerts:
+        from mailflow.orchestration.alerts import feedback_alert
+
+        feedback_alert(summary.alerts, context)
     return summary.as_dict()

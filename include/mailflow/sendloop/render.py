@@ -8,7 +8,6 @@ so a retry under the same Idempotency-Key is accepted by the provider as the sam
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import jinja2
 
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
 from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner
+from mailflow.sendloop.keys import idempotency_key
 from mailflow.sendloop.outcome import MintedRow, PreparedBatch
 
 
@@ -53,15 +53,6 @@ def subject_template(text: str) -> jinja2.Template:
     :raises jinja2.TemplateSyntaxError: if ``text`` is not a valid template.
     """
     return jinja2.Environment(autoescape=False, undefined=jinja2.StrictUndefined).from_string(text)
-
-
-def idempotency_key(campaign: str, row_ids: Sequence[int]) -> str:
-    """Key for a batch: unique by construction (a send-log id belongs to one batch at a time) and
-    derived from exactly the rows it carries, so a resend of a subset gets a new key.
-
-    Shape: ``mf-<first row id>-<16 hex of sha256(ids)>`` (<= 256 chars, Resend's limit)."""
-    digest = hashlib.sha256(",".join(str(i) for i in row_ids).encode()).hexdigest()[:16]
-    return f"mf-{row_ids[0]}-{digest}"
 
 
 class Renderer:

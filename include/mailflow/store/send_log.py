@@ -7,7 +7,6 @@ current state and appends a ``mail.send_event`` row in the same statement.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -18,6 +17,7 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
+from mailflow.sendloop.keys import key_tag
 from mailflow.sendloop.outcome import (
     Accepted,
     MintedRow,
@@ -28,14 +28,14 @@ from mailflow.sendloop.outcome import (
     RunContext,
     Unknown,
 )
-from mailflow.store.policy import (
-    Contact,
-    ContactPolicy,
-    Hold,
-    contacts_from_rows,
-    evaluate,
-    normalise_address,
+from mailflow.store.contact_guard import (
+    caps_sql,
+    duplicate_reason,
+    load_contacts,
+    lock_contacts,
+    reserve_addresses,
 )
+from mailflow.store.policy import evaluate, normalise_address
 from mailflow.store.sql import query
 
 
@@ -383,77 +383,6 @@ def eligible_sql(campaign: Campaign, *, policy: bool = True) -> pgsql.Composed:
     if policy and not campaign.exempt:
         part = pgsql.SQL(query("lifecycle", "eligible_policy")).format(caps=caps_sql(campaign.contact_policy))
     return pgsql.SQL(query("lifecycle", "eligible")).format(audience=pgsql.SQL(campaign.audience_sql), policy=part)
-
-
-def caps_sql(policy: ContactPolicy, name: str = "eligible_cap") -> pgsql.Composable:
-    """One clause per frequency cap the cooldown does not imply (users with fewer than ``emails``
-    contacts within the cap's window of the email): ``lifecycle.eligible_cap`` (a set-based
-    anti-join) or ``lifecycle.snapshot_cap`` (a HAVING term of ``snapshot_policy``)."""
-    parts = []
-    for i in range(len(policy.extra_caps())):
-        parts.append(pgsql.SQL(query("lifecycle", name)).format(
-            since=pgsql.Placeholder(f"cap_since_{i}"), until=pgsql.Placeholder(f"cap_until_{i}"),
-            window=pgsql.Placeholder(f"cap_window_{i}"), emails=pgsql.Placeholder(f"cap_emails_{i}")))
-    return pgsql.SQL("\n  ").join(parts)
-
-
-def lock_contacts(conn: psycopg.Connection, user_ids: Sequence[int]) -> datetime:
-    """The contact guard, inside the caller's transaction: create the users' ``mail.contact`` rows
-    if needed and lock them FOR UPDATE in user_id order (waits for any other claimer of these users
-    to commit). Returns the database clock (the claim's "now", aware UTC).
-
-    Every later statement of the transaction sees each claim committed before the lock: re-check
-    the policy with :func:`load_contacts` after this call, never before.
-    """
-    ids = sorted(set(int(u) for u in user_ids))
-    conn.execute(query("contact", "ensure_contacts"), {"ids": ids})
-    conn.execute(query("contact", "lock_contact_rows"), {"ids": ids})
-    row = conn.execute(query("contact", "db_now")).fetchone()
-    assert row is not None
-    return row[0]
-
-
-def reserve_addresses(conn: psycopg.Connection, campaign: str, claims: Sequence[tuple[int, str]]) -> dict[str, int]:
-    """One email per (campaign, normalised address), in the caller's transaction: reserve each
-    ``(user_id, email_key)`` of ``claims`` in ``mail.campaign_address`` unless another user holds
-    the key (the lowest user_id wins within ``claims``). Returns ``{email_key: holder user_id}``
-    for every key of ``claims``; a claim whose holder is another user is a duplicate."""
-    if not claims:
-        return {}
-    conn.execute(query("lifecycle", "reserve_addresses"), {
-        "campaign": campaign, "keys": [k for _, k in claims], "uids": [u for u, _ in claims]})
-    rows = conn.execute(query("lifecycle", "address_holders"), {
-        "campaign": campaign, "keys": sorted({k for _, k in claims})}).fetchall()
-    return {str(k): int(u) for k, u in rows}
-
-
-def duplicate_reason(key: str, holder: int) -> str:
-    """The ``error`` of a ``duplicate`` row: the address and the user who got the campaign there."""
-    return f"duplicate address: {key} gets this campaign as user {holder}"
-
-
-def load_contacts(conn: psycopg.Connection, user_ids: Sequence[int], policy: ContactPolicy, *, ref: datetime,
-                  now: datetime, include_planned: bool, except_ids: Sequence[int] = ()) -> dict[int, list[Contact]]:
-    """The users' contacts that any rule of ``policy`` can see (sent since ``min(ref, now) - widest
-    window``, in flight, and with ``include_planned`` planned before ``now + widest window``),
-    grouped by user; rows ``except_ids`` (the ones being claimed) are left out."""
-    widest = policy.widest()
-    rows = conn.execute(query("contact", "contacts_of"), {
-        "ids": sorted(set(int(u) for u in user_ids)), "except_ids": list(except_ids),
-        "since": min(ref, now) - widest, "until": now + widest, "include_planned": include_planned}).fetchall()
-    return contacts_from_rows(rows)
-
-
-def policy_hold(policy: ContactPolicy, contacts: dict[int, list[Contact]], user_id: int, *, ref: datetime,
-                now: datetime) -> Hold | None:
-    """:func:`mailflow.store.policy.evaluate` for one user of a :func:`load_contacts` result."""
-    return evaluate(policy, contacts.get(int(user_id), ()), ref=ref, now=now)
-
-
-def key_tag(campaign: str) -> str:
-    """The campaign part of an idempotency key: ``[A-Za-z0-9_]`` only, at most 64 characters
-    (a key is 1-256 characters, Resend's idempotency page)."""
-    return re.sub(r"[^A-Za-z0-9_]", "_", campaign)[:64] or "_"
 
 
 def mask_email(address: str) -> str:

@@ -6,14 +6,8 @@ Use :func:`load_demo_data` from Python, or the CLI::
         [--users 5000] [--seed 42] [--anchor 2025-03-10T12:00:00Z] [--reset]
 """
 
-from mailflow_dev.demo.loader import (
-    ASSESSMENT_KINDS,
-    LOCALES,
-    MALFORMED_KINDS,
-    LoadSummary,
-    load_demo_data,
-    schema_sql,
-)
+from mailflow_dev.demo.generate import ASSESSMENT_KINDS, LOCALES, MALFORMED_KINDS
+from mailflow_dev.demo.loader import LoadSummary, load_demo_data, schema_sql
 
 __all__ = [
     "ASSESSMENT_KINDS",

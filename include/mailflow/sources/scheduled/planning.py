@@ -36,12 +36,14 @@ Rules (the single source of truth; the tests in ``tests/unit/test_planner.py`` p
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
+from itertools import dropwhile, islice
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["PlanSpec", "PlanSummary", "Window", "load_zone", "plan_day", "plan_send_times", "summarize"]
+__all__ = ["PlanSpec", "PlanSummary", "Window", "load_zone", "plan_day", "plan_send_times", "summarize", "plan_spec", "plan_after"]
 
 _HOUR = timedelta(hours=1)
 _SECOND = timedelta(seconds=1)
@@ -334,3 +336,51 @@ def summarize(times: Iterable[datetime], tz: str, *, day_start: time = time(0)) 
     days = dict(sorted(per_day.items()))
     spanned = (max(days) - min(days)).days + 1 if days else 0
     return PlanSummary(first, last, days, spanned, total)
+
+
+def plan_spec(campaign: Mapping[str, Any]) -> PlanSpec:
+    """The planner settings of a ``mail.campaign`` row (a mapping with timezone, emails_per_day,
+    weekdays, windows).
+
+    :raises ValueError: from :class:`PlanSpec` (unknown zone, bad window, ...).
+    """
+    return PlanSpec(timezone=str(campaign["timezone"]), emails_per_day=int(campaign["emails_per_day"]),
+                    weekdays=frozenset(int(d) for d in campaign["weekdays"]),
+                    windows=tuple(Window.parse(str(w)) for w in campaign["windows"]))
+
+
+def _local_midnight(day: date, spec: PlanSpec) -> datetime:
+    """The first instant (UTC) of plan day ``day``: ``spec.day_start`` (00:00 unless a window crosses
+    midnight) on that local date (in a DST gap: the instant after it)."""
+    return datetime.combine(day, spec.day_start, tzinfo=spec.zone).astimezone(UTC)
+
+
+def _day_bounds(at: datetime, spec: PlanSpec) -> tuple[datetime, datetime]:
+    """``[start, end)`` in UTC of the plan day of ``at`` in the campaign's zone (see
+    :func:`mailflow.sources.scheduled.planning.plan_day`: a window crossing midnight counts towards its first date)."""
+    day = plan_day(spec, at)
+    return _local_midnight(day, spec), _local_midnight(day + timedelta(days=1), spec)
+
+
+def plan_after(spec: PlanSpec, plan_start: datetime, plan_skip: int, planned_through: datetime | None,
+               count: int) -> Iterator[datetime]:
+    """The next ``count`` instants (aware UTC, increasing) of the plan anchored at ``plan_start``.
+
+    The plan is ``plan_send_times(spec, ., plan_start)`` without its first ``plan_skip`` instants.
+    ``planned_through`` (the last instant already given to a row, or None) is continued from
+    without generating the plan from its start: the local day of ``planned_through`` is re-planned
+    from its beginning (or from ``plan_start`` on the plan's first day) and the instants up to
+    ``planned_through`` are dropped, so chunked planning equals one uninterrupted plan.
+    """
+    if count <= 0:
+        return iter(())
+    if planned_through is None:
+        return islice(plan_send_times(spec, count + plan_skip, plan_start), plan_skip, None)
+    day = plan_day(spec, planned_through)
+    if day <= plan_day(spec, plan_start):
+        start = plan_start
+    else:
+        start = _local_midnight(day, spec)
+    # the local day of planned_through holds at most emails_per_day instants up to and including it
+    times = plan_send_times(spec, count + spec.emails_per_day + plan_skip, start)
+    return islice(dropwhile(lambda t: t <= planned_through, times), count)

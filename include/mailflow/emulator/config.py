@@ -1,0 +1,120 @@
+"""The emulator's configuration (faults, limits, validation modes) and its run-time update
+through the control endpoint."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from mailflow.emulator.validation import _check_address
+
+
+@dataclass
+class EmulatorConfig:
+    """Emulator settings. Fields marked (runtime) can be changed through ``POST /_emulator/config``.
+
+    Rates are fractions in [0, 1]; durations are named with their unit. ``clock`` returns epoch
+    seconds and is injectable (idempotency TTL and the rate-limit window use it).
+    """
+
+    outbox: str | None = None  # JSON-lines file, one line per accepted email (None: no file)
+    api_keys: tuple[str, ...] = ("re_test_emulator",)
+    control: bool = True  # register the unauthenticated /_emulator/* control API
+    rate_limit: float = 10.0  # (runtime) requests per second per TEAM (shared by every API key; Resend's
+    #   pages have said 2, 5 and 10), sliding 1 s window; 0 = off
+    quota_emails: int | None = None  # (runtime) accepted emails per UTC day (emulator clock) before 429
+    #   daily_quota_exceeded; the count starts again at the next UTC midnight
+    error_rate: float = 0.0  # (runtime) POSTs answered 500 internal_server_error before processing
+    error_after_rate: float = 0.0  # (runtime) sends processed (outbox written, key recorded), then
+    #   answered with error_after_status: an edge 5xx after the origin accepted the batch
+    error_after_status: int = 502  # (runtime) 500, 502, 503 or 504
+    outage: bool = False  # (runtime) every API request answered 503 before processing (a long outage)
+    latency_ms: float = 0.0  # (runtime) added to every API request
+    latency_jitter_ms: float = 0.0  # (runtime) uniform extra 0..jitter
+    timeout_rate: float = 0.0  # (runtime) requests that hang hang_seconds, then 500, nothing sent
+    hang_seconds: float = 30.0  # (runtime)
+    reset_after_accept_rate: float = 0.0  # (runtime) sends accepted + recorded, response lost
+    reset_mode: str = "abort"  # (runtime) "abort": truncated response, connection closed; "hang"
+    strict_only: bool = False  # (runtime) ignore x-batch-validation: permissive
+    scramble_order: bool = False  # (runtime) shuffle batch `data` order: a deliberately broken provider
+    bounce: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "bounced"
+    complain: tuple[str, ...] = ()  # (runtime) recipients whose last_event is "complained"
+    suppress: tuple[str, ...] = ()  # (runtime) recipients on the account's suppression list: last_event "suppressed"
+    fail: tuple[str, ...] = ()  # (runtime) recipients whose email failed to send: last_event "failed"
+    retry_after_style: str = "seconds"  # (runtime) "seconds" | "fraction" | "http-date" (contract)
+    store_bodies: bool = True  # (runtime) keep html/text in memory for GET /emails/{id}
+    domain: str = "mailflow.example"  # the one fake verified domain of GET /domains ("" = none)
+    # Key types and domain checks (contract "Errors"; all off by default):
+    restricted_keys: tuple[str, ...] = ()  # (runtime) sending-only keys: accepted by POST /emails and
+    #   /emails/batch only; any other endpoint answers 401 restricted_api_key
+    check_from_domain: bool = False  # (runtime) a `from` outside `domain` (or its subdomains): 403 validation_error
+    test_only: bool = False  # (runtime) an account without a verified domain: recipients other than
+    #   owner_email get 403 validation_error
+    owner_email: str = "owner@mailflow.example"  # (runtime) the account owner's address (test_only)
+    seed: int = 0  # (runtime) seeds the fault RNG (re-seeded on reset)
+    idempotency_ttl_seconds: float = 86400.0  # contract: keys kept for 24 hours
+    # JSON-lines journal of idempotency records (API key hashed): loaded at start-up (records younger
+    # than the TTL), appended on every recorded 200, so a restarted emulator still recognises a resend
+    idempotency_store: str | None = None
+    clock: Any = time.time  # () -> epoch seconds
+
+    def __post_init__(self) -> None:
+        self.api_keys = tuple(self.api_keys)
+        self.bounce = tuple(a.strip().lower() for a in self.bounce)
+        self.complain = tuple(a.strip().lower() for a in self.complain)
+        self.suppress = tuple(a.strip().lower() for a in self.suppress)
+        self.fail = tuple(a.strip().lower() for a in self.fail)
+        self.restricted_keys = tuple(self.restricted_keys)
+
+    def public(self) -> dict[str, Any]:
+        """The JSON-serialisable settings (everything but ``clock``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "clock"}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+_RUNTIME = {
+    "rate_limit", "quota_emails", "error_rate", "latency_ms", "latency_jitter_ms", "timeout_rate",
+    "hang_seconds", "reset_after_accept_rate", "reset_mode", "strict_only", "scramble_order",
+    "bounce", "complain", "retry_after_style", "store_bodies", "seed",
+    "restricted_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
+    "error_after_rate", "error_after_status", "outage",
+}
+_CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date"),
+            "error_after_status": (500, 502, 503, 504)}
+
+
+def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig:
+    """Return ``cfg`` with a partial ``update`` applied; ValueError on an unknown key or bad value."""
+    changes: dict[str, Any] = {}
+    for key, value in update.items():
+        if key not in _RUNTIME:
+            raise ValueError(f"unknown or read-only setting {key!r}")
+        if key in ("bounce", "complain", "suppress", "fail", "restricted_keys"):
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list | tuple) or not all(isinstance(a, str) for a in items):
+                raise ValueError(f"{key} must be a list of {'keys' if key == 'restricted_keys' else 'addresses'}")
+            value = tuple(items)
+        elif key == "owner_email":
+            if not isinstance(value, str) or _check_address(value) is None:
+                raise ValueError("owner_email must be an email address")
+        elif key in ("strict_only", "scramble_order", "store_bodies", "check_from_domain", "test_only",
+                     "outage"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be a boolean")
+        elif key in _CHOICES:
+            if value not in _CHOICES[key]:
+                raise ValueError(f"{key} must be one of {_CHOICES[key]}")
+        elif key in ("quota_emails", "seed"):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key} must be a non-negative integer or null")
+            if key == "seed" and value is None:
+                raise ValueError("seed must be an integer")
+        else:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{key} must be a non-negative number")
+            if key.endswith("_rate") and key != "rate_limit" and value > 1:
+                raise ValueError(f"{key} is a fraction in [0, 1]")
+            value = float(value)
+        changes[key] = value
+    return replace(cfg, **changes)

@@ -1,0 +1,223 @@
+"""The lifecycle source: for one data interval, every campaign's audience page by page, highest
+priority first: count, mint (:meth:`~mailflow.store.send_log.PostgresStore.mint_chunk`: the contact
+guard and ``INSERT ... ON CONFLICT DO NOTHING`` in one transaction, SQL in
+``store/sql/queries/lifecycle.sql``), send with the shared loop
+(:func:`mailflow.sendloop.engine.send_chunk`), stop at the time budget.
+
+Campaign declarations: ``campaigns/lifecycle.toml`` (:func:`mailflow.campaigns.load_campaigns`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from functools import partial
+
+from mailflow.campaigns import Campaign
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.sendloop.engine import (
+    MAX_BATCH,
+    BatchProvider,
+    ChunkPipeline,
+    InFlight,
+    chunk_size_ok,
+    release_unsent,
+    reserve_slot,
+)
+from mailflow.sendloop.outcome import (
+    Accepted,
+    CampaignSummary,
+    DataInterval,
+    NotSent,
+    Refused,
+    RunContext,
+    SendError,
+    Unknown,
+)
+from mailflow.sendloop.render import Renderer
+from mailflow.store.send_log import Store
+
+log = logging.getLogger(__name__)
+
+
+def run_lifecycle(
+    store: Store,
+    provider: BatchProvider,
+    renderer: Renderer,
+    campaigns: Sequence[Campaign],
+    interval: DataInterval,
+    *,
+    run: RunContext | None = None,
+    budget_seconds: float = 240.0,
+    chunk_size: int = MAX_BATCH,
+    clock: Clock | None = None,
+    now: datetime | None = None,
+    allow_old_interval: bool = False,
+    pipelined: bool = False,
+) -> list[CampaignSummary]:
+    """Send every campaign's audience for one data interval, highest priority first.
+
+    Audiences use ``campaign.window(interval)`` and a cooldown since ``interval.end - cooldown``:
+    nothing here reads the wall clock for selection, so a backfill re-selects the audience of its
+    own interval. Each campaign's audience is evaluated once, at its turn (after every earlier
+    campaign has minted), into the store's snapshot when it has one (``open_audience``; its size is
+    the summary's ``eligible``), else counted (``count_audience``) and paged live. The time budget
+    (seconds, monotonic) is checked before each chunk is minted and covers the wait for its
+    request slot; a minted chunk is always sent, unless the chunk before it stopped the run (then
+    it is rolled back uncharged); what is not minted when it runs out is left for the next run. A
+    whole-request failure stops the run (see the outcome model in docs/model.md).
+
+    ``pipelined`` (the Airflow task turns it on, :func:`mailflow.settings.pipelined`): chunk N+1 is
+    paged, minted, rendered and stored while chunk N is in flight (:class:`ChunkPipeline`; the
+    budget is still checked before each mint); at most two chunks are exposed to a crash, both
+    stored with their bytes. Off (the library default): one chunk after the other, so a provider
+    double that advances a fake clock sees the budget checked strictly between chunks.
+
+    Backfills: when ``now`` (aware, the wall clock of the run) is given and the interval ended more
+    than ``campaign.max_interval_age`` before it, the campaign sends nothing (its moment has passed)
+    unless ``allow_old_interval``; the summary says so. ``now`` only gates; it never selects.
+
+    :returns: one :class:`CampaignSummary` per campaign, in priority order.
+    :raises SendError: after recording everything, if the provider refused the key or an idempotency
+        conflict needs a person, or a whole campaign's emails were rejected.
+    """
+    clock = clock or SystemClock()
+    run = run or RunContext()
+    chunk_size = chunk_size_ok(chunk_size)
+    deadline = clock.monotonic() + budget_seconds
+    summaries: list[CampaignSummary] = []
+    state = _RunState()
+    open_audience = getattr(store, "open_audience", None)
+    close_audience = getattr(store, "close_audience", None)
+    pipe = ChunkPipeline(store, provider, run, enabled=pipelined)
+    try:
+        for campaign in sorted(campaigns, key=lambda c: c.priority):
+            summary = CampaignSummary(campaign=campaign.name)
+            summaries.append(summary)
+            window = campaign.window(interval)
+            cooldown_since = interval.end - campaign.cooldown
+            try:
+                if open_audience is not None:
+                    summary.eligible = open_audience(campaign, window, cooldown_since)
+                else:
+                    summary.eligible = store.count_audience(campaign, window, cooldown_since)
+                _run_campaign(store, provider, renderer, campaign, interval, window, cooldown_since, summary,
+                              run, deadline, chunk_size, clock, now, allow_old_interval, pipe, state)
+            finally:
+                if close_audience is not None:
+                    close_audience(campaign)
+        _drain(store, pipe, run, state)
+    finally:
+        try:
+            if pipe.busy:  # an exception while a chunk was in flight: record its answer if it has one
+                _drain(store, pipe, run, state)
+        finally:
+            pipe.close()
+    for summary in summaries:
+        if summary.minted and summary.failed == summary.minted:
+            state.fatal.append(f"{summary.campaign}: every one of {summary.minted} emails was rejected by the provider")
+        log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, invalid address %d, "
+                 "duplicate address %d, held back by the contact guard %d, skipped %d%s",
+                 summary.campaign, summary.eligible, summary.minted, summary.sent, summary.failed,
+                 summary.released, summary.unknown, summary.invalid, summary.duplicates, summary.held,
+                 summary.skipped,
+                 f" (stopped: {summary.stopped})" if summary.stopped else "")
+    if state.fatal:
+        raise SendError("; ".join(state.fatal), summaries)
+    return summaries
+
+
+@dataclasses.dataclass
+class _RunState:
+    stop: str | None = None
+    fatal: list[str] = dataclasses.field(default_factory=list)
+
+
+def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, campaign: Campaign,
+                  interval: DataInterval, window: tuple[datetime, datetime], cooldown_since: datetime,
+                  summary: CampaignSummary, run: RunContext, deadline: float, chunk_size: int, clock: Clock,
+                  now: datetime | None, allow_old_interval: bool, pipe: ChunkPipeline, state: _RunState) -> None:
+    """Mint and send one campaign's chunks (the chunk before may still be in flight)."""
+    age = timedelta(seconds=(now - interval.end).total_seconds()) if now is not None else None
+    if age is not None and not allow_old_interval and age > campaign.max_interval_age:
+        # (a plain timedelta: Airflow's pendulum bounds would otherwise format as an Interval)
+        summary.stopped = f"interval ended {age} ago, over max_interval_age {campaign.max_interval_age}"
+        log.info("%s: %d eligible, not sent: %s (allow_old_interval to send)", campaign.name, summary.eligible,
+                 summary.stopped)
+        return
+    if state.stop is None and clock.monotonic() >= deadline:
+        state.stop = "time budget"
+    if state.stop is not None:
+        summary.stopped = state.stop
+        log.info("%s: %d eligible, not started (%s)", campaign.name, summary.eligible, state.stop)
+        return
+    prepare = partial(renderer.prepare_batch, campaign)
+    cursor = 0
+    slot: float | None = None
+    while True:
+        # The budget covers the wait for the next request slot, checked BEFORE minting: a
+        # minted chunk is always sent (its first attempt starts at the reserved slot).
+        if slot is None:
+            slot = reserve_slot(provider, deadline, clock)
+        elif clock.monotonic() > deadline:
+            slot = None  # reserved for a page that minted nothing; the budget has run out since
+        if slot is None:
+            summary.stopped = state.stop = "time budget"
+            return
+        minted = store.mint_chunk(
+            campaign, window, cooldown_since, after=cursor, limit=chunk_size, run=run,
+            interval=(interval.start, interval.end), prepare=prepare,
+        )
+        if minted.page_size == 0:
+            return
+        cursor = minted.cursor
+        summary.invalid += minted.invalid
+        summary.duplicates += minted.duplicates
+        summary.held += minted.held
+        if minted.batch is None:
+            continue
+        summary.chunks += 1
+        summary.minted += len(minted.batch.row_ids)
+        chunk = InFlight(minted.batch, minted.rows, prepare, deadline, tag=summary)
+        # one chunk in flight at a time: the previous one's answer first (it may stop the run)
+        _drain(store, pipe, run, state)
+        if state.stop is not None:
+            applied = release_unsent(store, chunk, f"the run stopped ({state.stop})", run)
+            summary.released += applied.released
+            summary.unknown += applied.unknown
+            summary.stopped = state.stop
+            return
+        pipe.submit(chunk, slot)
+        slot = None
+        if not pipe.pipelined:  # unpipelined: the answer is applied before the next mint
+            _drain(store, pipe, run, state)
+            if state.stop is not None:
+                return
+
+
+def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState) -> None:
+    """Collect the chunk in flight (if any), count it in its campaign's summary, note a stop."""
+    done = pipe.collect()
+    if done is None:
+        return
+    chunk, outcome, applied, batch = done
+    summary = chunk.tag
+    assert isinstance(summary, CampaignSummary)
+    summary.sent += applied.sent
+    summary.failed += applied.failed
+    summary.released += applied.released
+    summary.unknown += applied.unknown
+    log.info("%s chunk (%s): %d emails -> %d sent, %d rejected, %d rolled back, %d unknown%s",
+             summary.campaign, batch.idempotency_key, len(batch.row_ids), applied.sent,
+             applied.failed, applied.released, applied.unknown,
+             "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
+    if isinstance(outcome, NotSent | Unknown | Refused):
+        if outcome.fatal:
+            state.fatal.append(f"{summary.campaign}: {outcome.reason}")
+        if outcome.stop_run or isinstance(outcome, NotSent):
+            # A whole-request failure that will repeat (auth, domain, quota, a refused body,
+            # an outage, the budget) stops the run at once: it does not march through the
+            # audience. Released rows charged nobody; the next healthy run sends them.
+            summary.stopped = state.stop = outcome.stop_run or outcome.reason

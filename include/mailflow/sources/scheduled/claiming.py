@@ -1,0 +1,309 @@
+"""Claiming due rows: one transaction picks one campaign's due rows (``FOR UPDATE SKIP LOCKED``),
+passes them through the contact guard (invalid, suppressed, duplicate; held rows deferred to the
+next planned slot, skipped, or sent anyway per ``on_policy``), renders and stores the batch; the
+dispatch call's state and counts (:class:`DispatchSummary`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta
+from functools import partial
+from typing import Any
+
+import jinja2
+import psycopg
+
+from mailflow.campaigns import Campaign
+from mailflow.sendloop.engine import send_chunk
+from mailflow.sendloop.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
+from mailflow.sendloop.render import Renderer
+from mailflow.sources.scheduled.campaign_db import _one
+from mailflow.sources.scheduled.planning import _local_midnight, plan_day, plan_send_times, plan_spec
+from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
+from mailflow.store.policy import ContactPolicy, Hold, evaluate, load_policy, normalise_address
+from mailflow.store.send_log import PostgresStore
+from mailflow.store.sql import query
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DispatchSummary:
+    """Counts of one dispatch call (rows). ``idle_seconds`` = time slept waiting for due rows,
+    ``seconds`` = wall time of the call, ``completed`` = campaigns completed at the end,
+    ``sent_by_campaign`` = rows sent per campaign name."""
+
+    claimed: int = 0
+    sent: int = 0
+    failed: int = 0
+    released: int = 0
+    unknown: int = 0
+    suppressed: int = 0
+    render_failed: int = 0
+    deferred: int = 0
+    skipped: int = 0
+    invalid: int = 0
+    duplicates: int = 0
+    batches: int = 0
+    idle_seconds: float = 0.0
+    seconds: float = 0.0
+    stopped: str | None = None
+    completed: list[str] = field(default_factory=list)
+    sent_by_campaign: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        out = dataclasses.asdict(self)
+        out["idle_seconds"] = round(self.idle_seconds, 3)
+        out["seconds"] = round(self.seconds, 3)
+        return out
+
+
+def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
+                    held: Sequence[tuple[int, datetime]]) -> dict[int, datetime]:
+    """New planned times for rows the contact policy holds back: ``held`` = ``(row id, free_at)``.
+
+    Each row gets the first instant after its ``free_at`` that the campaign's plan allows: an
+    allowed weekday, inside the local windows, on a local day whose emails (planned, in flight or
+    sent) are still fewer than ``emails_per_day``; within that day the planner's slots spread from
+    ``free_at`` are used in order. Aware UTC datetimes, strictly after ``free_at``.
+    """
+    spec = plan_spec(c)
+    first = min(f for _, f in held)
+    since = _local_midnight(plan_day(spec, first), spec)
+    day_start = timedelta(hours=spec.day_start.hour, minutes=spec.day_start.minute, seconds=spec.day_start.second)
+    counts: dict[date, int] = {d: int(n) for d, n in conn.execute(query("scheduled", "day_counts"), {
+        "campaign": c["name"], "tz": spec.timezone, "since": since, "day_start": day_start}).fetchall()}
+    days: dict[date, list[datetime]] = {}  # the day's free slots (computed once per day and call)
+    out: dict[int, datetime] = {}
+    for rid, free_at in sorted(held, key=lambda h: (h[1], h[0])):
+        start = free_at + timedelta(microseconds=1)
+        day = plan_day(spec, start)
+        for _ in range(800):  # the planner's own bound on days without window time
+            if day.isoweekday() in spec.weekdays and counts.get(day, 0) < spec.emails_per_day:
+                if day not in days:
+                    floor = max(start, _local_midnight(day, spec))
+                    days[day] = [t for t in plan_send_times(spec, spec.emails_per_day, floor)
+                                 if plan_day(spec, t) == day]
+                free = days[day]
+                i = bisect_left(free, start)
+                if i < len(free):
+                    out[rid] = free.pop(i)
+                    counts[day] = counts.get(day, 0) + 1
+                    break
+            day += timedelta(days=1)
+            start = max(start, _local_midnight(day, spec))
+        else:
+            raise RuntimeError(f"campaign {c['name']!r}: no planned slot within 800 days after {free_at}")
+    return out
+
+
+def _render_campaign(c: Mapping[str, Any]) -> Campaign:
+    """The renderer's :class:`Campaign` for a ``mail.campaign`` row: the subject is the snapshot
+    rendered at provisioning (``user.subject``); audience fields are unused."""
+    return Campaign(name=str(c["name"]), priority=0, audience_sql="", template=str(c["template"]),
+                    subject="{{ user.subject }}", from_address=str(c["from_address"]), reply_to=c["reply_to"],
+                    cooldown=timedelta(0), audience_window=timedelta(0), marketing=bool(c["marketing"]))
+
+
+@dataclass
+class _Claim:
+    campaign: Campaign
+    rows: tuple[MintedRow, ...]
+    attempts: dict[int, int]
+    batch: PreparedBatch | None
+    render_failed: int
+    render_errors: list[str] = field(default_factory=list)
+    decided: dict[str, int] = field(default_factory=dict)  # rows decided without a request, by status
+
+
+class _Dispatcher:
+    """One dispatch call's state: the connection, the lifecycle store (apply, rebatch, batches)."""
+
+    def __init__(self, conn: psycopg.Connection, renderer: Renderer, run: RunContext, batch_size: int,
+                 policy: ContactPolicy | None = None):
+        self.conn = conn
+        self.store = PostgresStore(conn)
+        self.renderer = renderer
+        self.run = run
+        self.who = {"dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}
+        self.batch_size = batch_size
+        self.campaigns: dict[str, Campaign] = {}
+        self.campaign_rows: dict[str, dict[str, Any]] = {}
+        self.policy: ContactPolicy = policy if policy is not None else load_policy()
+
+    def due_wait(self, coalesce: float) -> float | None:
+        with self.conn.transaction():
+            row = self.conn.execute(query("scheduled", "due_wait"),
+                                    {"coalesce": coalesce, "batch": self.batch_size}).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
+    def prepare(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
+        """Render a claimed chunk; its key is assigned by the store when the batch is saved
+        (docs/model.md, "Idempotency keys": never the same key for two bodies)."""
+        return self.renderer.prepare_batch(campaign, rows)
+
+    def _campaign(self, name: str) -> Campaign:
+        if name not in self.campaigns:
+            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            if c is None:
+                raise LookupError(f"campaign {name!r} vanished from mail.campaign")
+            self.campaigns[name] = _render_campaign(c)
+        return self.campaigns[name]
+
+    def claim(self) -> tuple[int, _Claim | None]:
+        """Cancel suppressed due rows, pick one campaign's due rows, pass them through the contact
+        guard, claim the rest, render and store the batch: one transaction (a crash leaves either
+        pending rows or sending rows with their bytes).
+
+        The guard (docs/model.md, "The contact policy"): each address is normalised (invalid: the
+        row fails with the validator's reason, no request; suppressed as normalised: cancelled; a
+        second user at an address the campaign already mails: ``duplicate`` naming the first); the
+        users' ``mail.contact`` rows are locked in user_id order and the policy is re-evaluated on
+        what is committed now; a held row is deferred to the first planned slot after the window
+        (``on_policy = 'defer'``), or ``skipped`` with the reason, or sent anyway (``ignore``).
+        Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``."""
+        with self.conn.transaction():
+            suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
+            picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
+            if not picked:
+                return suppressed, None
+            crow = self._campaign_row(str(picked[0][4]))
+            decided = self._guard(crow, picked)
+            if decided:
+                self.conn.execute(query("scheduled", "decide_rows"), self.who | {
+                    "ids": list(decided), "statuses": [d[0] for d in decided.values()],
+                    "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
+            go = [r for r in picked if int(r[0]) not in decided]
+            found: list[Any] = []
+            if go:
+                addrs = [normalise_address(r[2]) for r in go]
+                found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
+                    "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
+                    "keys": [a.key for a in addrs]}).fetchall()
+            counts: dict[str, int] = {}
+            for st, _, _at in decided.values():
+                k = "deferred" if st == "pending" else st
+                counts[k] = counts.get(k, 0) + 1
+            if not found:
+                return suppressed + counts.pop("cancelled", 0), _Claim(
+                    self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
+            suppressed += counts.pop("cancelled", 0)
+            campaign = self._campaign(str(found[0][4]))
+            rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
+            attempts = {int(r[0]): int(r[5]) for r in found}
+            bad: dict[int, str] = {}
+            try:
+                batch: PreparedBatch | None = self.prepare(campaign, rows)
+            except (jinja2.TemplateError, ValueError, TypeError):  # the renderer's RenderError is a ValueError
+                # Find the rows at fault: a recipient whose snapshot lacks a template variable fails
+                # (its snapshot will not change), the others go. Any other error (a missing or broken
+                # template) propagates: the claim rolls back and the rows stay pending.
+                good = []
+                for r in rows:
+                    try:
+                        self.renderer.render_email(campaign, r)
+                        good.append(r)
+                    except jinja2.UndefinedError as exc:
+                        bad[r.id] = f"render failed (template {campaign.template!r}): {exc}"
+                rows = tuple(good)
+                batch = self.prepare(campaign, rows) if rows else None
+            if bad:
+                self.conn.execute(query("send_log", "mark_failed"), self.who | {
+                    "ids": list(bad), "msgs": list(bad.values())})
+            if batch is not None:
+                batch = self.store.save_batch(batch)
+        if bad:
+            log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
+                      "; ".join(f"row {i}: {m}" for i, m in bad.items()))
+        return suppressed, _Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
+
+    def _campaign_row(self, name: str) -> dict[str, Any]:
+        if name not in self.campaign_rows:
+            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            if c is None:
+                raise LookupError(f"campaign {name!r} vanished from mail.campaign")
+            self.campaign_rows[name] = c
+        return self.campaign_rows[name]
+
+    def _guard(self, c: Mapping[str, Any], picked: Sequence[Any]) -> dict[int, tuple[str, str, datetime | None]]:
+        """The contact guard for picked rows ``(id, user_id, email, context, campaign, attempts,
+        scheduled_at)`` of campaign row ``c``, in the claim transaction. Returns the rows decided
+        without a request: ``{id: (status, reason, new scheduled_at or None)}``."""
+        out: dict[int, tuple[str, str, datetime | None]] = {}
+        addrs = {int(r[0]): normalise_address(r[2]) for r in picked}
+        for r in picked:
+            a = addrs[int(r[0])]
+            if not a.valid:
+                out[int(r[0])] = ("failed", f"invalid address: {a.error}", None)
+        valid = [r for r in picked if int(r[0]) not in out]
+        keys = sorted({k for r in valid for k in addrs[int(r[0])].keys})
+        if keys:
+            barred = {x[0] for x in self.conn.execute(query("contact", "suppressed_addresses"),
+                                                      {"keys": keys, "campaign": c["name"]})}
+            for r in valid:
+                if barred.intersection(addrs[int(r[0])].keys):
+                    out[int(r[0])] = ("cancelled", "suppressed before sending (address)", None)
+        valid = [r for r in picked if int(r[0]) not in out]
+        if not valid:
+            return out
+        now = lock_contacts(self.conn, [int(r[1]) for r in valid])
+        out.update(self._hold(c, valid, picked, now))
+        valid = [r for r in valid if int(r[0]) not in out]
+        holders = reserve_addresses(self.conn, c["name"], [(int(r[1]), addrs[int(r[0])].key) for r in valid])
+        for r in valid:
+            holder = holders[addrs[int(r[0])].key]
+            if holder != int(r[1]):
+                out[int(r[0])] = ("duplicate", duplicate_reason(addrs[int(r[0])].key, holder), None)
+        return out
+
+    def _hold(self, c: Mapping[str, Any], valid: Sequence[Any], picked: Sequence[Any],
+              now: datetime) -> dict[int, tuple[str, str, datetime | None]]:
+        """The policy decision for rows ``valid`` under the contact guard: held rows deferred or
+        skipped (per ``c['on_policy']``); ``ignore`` holds nothing."""
+        out: dict[int, tuple[str, str, datetime | None]] = {}
+        if c["on_policy"] == "ignore" or not self.policy.rules:
+            return out
+        contacts = load_contacts(self.conn, [int(r[1]) for r in valid], self.policy, ref=now, now=now,
+                                 include_planned=False, except_ids=[int(r[0]) for r in picked])
+        held: list[tuple[int, Hold]] = []
+        for r in valid:
+            hold = evaluate(self.policy, contacts.get(int(r[1]), ()), ref=now, now=now)
+            if hold is None:
+                continue
+            if c["on_policy"] == "skip":
+                out[int(r[0])] = ("skipped", hold.reason(), None)
+            else:
+                held.append((int(r[0]), hold))
+        if held:
+            times = _deferred_times(self.conn, c, [(rid, h.free_at) for rid, h in held])
+            for rid, hold in held:
+                out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
+        return out
+
+    def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary,
+             slot: float | None = None) -> Outcome:
+        assert claim.batch is not None
+        campaign = claim.campaign
+        outcome, applied, batch = send_chunk(self.store, provider, partial(self.prepare, campaign),
+                                             claim.batch, claim.rows, deadline, self.run, slot)
+        self.count(claim, outcome, applied, batch, summary)
+        return outcome
+
+    def count(self, claim: _Claim, outcome: Outcome, applied: Any, batch: PreparedBatch,
+              summary: DispatchSummary) -> None:
+        """Add one sent chunk's row changes to ``summary`` and log them."""
+        campaign = claim.campaign
+        summary.sent += applied.sent
+        summary.failed += applied.failed
+        summary.released += applied.released
+        summary.unknown += applied.unknown
+        if applied.sent:
+            summary.sent_by_campaign[campaign.name] = summary.sent_by_campaign.get(campaign.name, 0) + applied.sent
+        log.info("%s batch %s: %d emails -> %d sent, %d rejected, %d released, %d unknown%s", campaign.name,
+                 batch.idempotency_key, len(batch.row_ids), applied.sent, applied.failed, applied.released,
+                 applied.unknown, "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")

@@ -1,0 +1,136 @@
+"""The operator's controls: cancel, pause, resume (the pause/resume rule of
+:mod:`mailflow.sources.scheduled`), complete, status. Each one transaction."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from mailflow.sendloop.outcome import RunContext
+from mailflow.sources.scheduled.campaign_db import (
+    CampaignStateError,
+    _actor,
+    _db_now,
+    _event,
+    _json_default,
+    _lock,
+    _one,
+    _used_on_day,
+)
+from mailflow.sources.scheduled.planning import plan_after, plan_spec
+from mailflow.store.sql import query
+
+log = logging.getLogger(__name__)
+
+
+def _transition(conn: psycopg.Connection, campaign_id: int, allowed: Sequence[str], to_status: str,
+                actor: str | None, **detail: Any) -> tuple[dict[str, Any], bool]:
+    """Lock the campaign and move it to ``to_status`` from one of ``allowed`` (in the caller's
+    transaction). Returns ``(row before, changed)``; already in ``to_status`` = not changed."""
+    c = _lock(conn, campaign_id)
+    if c["status"] == to_status:
+        return c, False
+    if c["status"] not in allowed:
+        raise CampaignStateError(f"campaign {c['name']!r} is {c['status']}: cannot become {to_status} "
+                                 f"(only from {', '.join(allowed)})")
+    conn.execute(query("scheduled", "campaign_set_status"),
+                 {"id": campaign_id, "from_status": c["status"], "to_status": to_status})
+    _event(conn, campaign_id, c["status"], to_status, actor, **detail)
+    return c, True
+
+
+def cancel(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = None,
+           run: RunContext | None = None) -> dict[str, Any]:
+    """Cancel a campaign: status -> ``cancelled`` and every ``pending`` row -> ``cancelled`` (with an
+    event each), in one transaction. Rows already ``sending`` finish as they are; terminal rows are
+    untouched. Cancelling a cancelled campaign changes nothing.
+
+    :returns: ``{"campaign", "status", "changed", "rows_cancelled"}``.
+    :raises CampaignStateError: if the campaign is completed.
+    """
+    run = run or RunContext()
+    with conn.transaction():
+        c, changed = _transition(conn, campaign_id, ("draft", "scheduled", "paused"), "cancelled",
+                                 _actor(run, actor))
+        n = len(conn.execute(query("scheduled", "cancel_pending"), {
+            "campaign": c["name"], "reason": "campaign cancelled",
+            "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}).fetchall())
+    log.info("campaign %s cancelled: %d pending rows cancelled", c["name"], n)
+    return {"campaign": c["name"], "status": "cancelled", "changed": changed, "rows_cancelled": n}
+
+
+def pause(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = None) -> dict[str, Any]:
+    """Pause a draft or scheduled campaign: the dispatcher stops claiming its rows (rows in flight
+    finish); the plan is kept. Pausing a paused campaign changes nothing.
+
+    :raises CampaignStateError: if the campaign is cancelled or completed.
+    """
+    with conn.transaction():
+        c, changed = _transition(conn, campaign_id, ("draft", "scheduled"), "paused", actor)
+    return {"campaign": c["name"], "status": "paused", "changed": changed}
+
+
+def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None = None,
+           actor: str | None = None) -> dict[str, Any]:
+    """Resume a paused campaign (status -> ``scheduled``) under the module's pause/resume rule: if a
+    pending row's time passed (``scheduled_at < now``), every pending row is re-planned in its
+    order from ``now`` (the resume day keeps its per-day cap); otherwise no time changes. One
+    transaction; resuming a scheduled campaign changes nothing.
+
+    :param now: the resume instant (aware; default: the database clock).
+    :returns: ``{"campaign", "status", "changed", "overdue", "replanned", "first", "last"}``
+        (first/last: ISO text of the re-planned range, or None).
+    :raises CampaignStateError: if the campaign is not paused (or scheduled).
+    """
+    with conn.transaction():
+        at = now or _db_now(conn)
+        if at.tzinfo is None:
+            raise ValueError("now must be a timezone-aware datetime")
+        c = _lock(conn, campaign_id)
+        if c["status"] == "scheduled":
+            return {"campaign": c["name"], "status": "scheduled", "changed": False, "overdue": 0,
+                    "replanned": 0, "first": None, "last": None}
+        if c["status"] != "paused":
+            raise CampaignStateError(f"campaign {c['name']!r} is {c['status']}: only a paused campaign resumes")
+        pending = conn.execute(query("scheduled", "pending_in_order"), {"campaign": c["name"]}).fetchall()
+        overdue = sum(1 for _, t in pending if t < at)
+        times: list[datetime] = []
+        if overdue:
+            spec = plan_spec(c)
+            skip = _used_on_day(conn, c, spec, at, include_pending=False)
+            times = list(plan_after(spec, at, skip, None, len(pending)))
+            conn.execute(query("scheduled", "replan_rows"), {"ids": [r[0] for r in pending], "times": times})
+            conn.execute(query("scheduled", "set_plan"), {
+                "id": campaign_id, "plan_start": at, "plan_skip": skip, "planned_through": times[-1]})
+        _transition(conn, campaign_id, ("paused",), "scheduled", actor, overdue=overdue, replanned=len(times),
+                    resumed_at=at.isoformat(), first=times[0].isoformat() if times else None,
+                    last=times[-1].isoformat() if times else None)
+    log.info("campaign %s resumed at %s: %d overdue, %d re-planned", c["name"], at, overdue, len(times))
+    return {"campaign": c["name"], "status": "scheduled", "changed": True, "overdue": overdue,
+            "replanned": len(times), "first": times[0].isoformat() if times else None,
+            "last": times[-1].isoformat() if times else None}
+
+
+def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor: str | None = None) -> list[str]:
+    """Mark ``scheduled`` campaigns ``completed`` when their list is fully provisioned and no row
+    is ``pending`` or ``sending`` (only ``campaign_id`` if given); return the names completed."""
+    with conn.transaction():
+        rows = conn.execute(query("scheduled", "complete_finished"), {"id": campaign_id, "actor": actor}).fetchall()
+    return [str(r[1]) for r in rows]
+
+
+def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
+    """A campaign's settings, checkpoint and rows by state, the next due time and the send
+    lateness (``sent_at - scheduled_at``) p50/p99 in seconds. Datetimes as ISO text."""
+    with conn.transaction():
+        c = _one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
+        if c is None:
+            raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
+        counts = _one(conn, query("scheduled", "campaign_counts"), {"campaign": c["name"]}) or {}
+    out = {**c, "rows": counts}
+    return json.loads(json.dumps(out, default=_json_default))

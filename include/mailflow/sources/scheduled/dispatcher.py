@@ -1,0 +1,177 @@
+"""Dispatch: until nothing is due within the budget, claim a campaign's due rows
+(:mod:`~mailflow.sources.scheduled.claiming`), send them with the shared send loop, apply the
+answer by index, stop on a whole-request failure; complete finished campaigns."""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import psycopg
+
+from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.sendloop.engine import MAX_BATCH, ChunkPipeline, InFlight, release_unsent, reserve_slot
+from mailflow.sendloop.outcome import NotSent, Refused, RunContext, SendError, Unknown
+from mailflow.sendloop.render import Renderer
+from mailflow.sources.scheduled.campaign_db import _actor
+from mailflow.sources.scheduled.claiming import DispatchSummary, _Claim, _Dispatcher
+from mailflow.sources.scheduled.control import complete
+from mailflow.store.policy import ContactPolicy
+
+log = logging.getLogger(__name__)
+
+
+BATCH_SIZE = MAX_BATCH
+DISPATCH_BUDGET_SECONDS = 50.0  # one run of the 1-minute dispatch DAG (leaves ~10 s for start-up)
+COALESCE_SECONDS = 5.0  # a due row waits at most this long for others to share its request
+POLL_SECONDS = 5.0  # while sleeping towards the next due row, look again this often
+SEND_GRACE_SECONDS = 60.0  # a claimed batch may still wait this long past the budget (pacing, 429)
+
+
+def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
+             budget_seconds: float = DISPATCH_BUDGET_SECONDS, coalesce_seconds: float = COALESCE_SECONDS,
+             poll_seconds: float = POLL_SECONDS, batch_size: int = BATCH_SIZE,
+             send_grace_seconds: float = SEND_GRACE_SECONDS, clock: Clock | None = None,
+             run: RunContext | None = None, policy: ContactPolicy | None = None,
+             pipelined: bool = False) -> DispatchSummary:
+    """Send due scheduled rows until nothing is due within the budget, or the budget is spent.
+
+    Loop: ask the database how long until a claim is worth it (the earliest due row has waited
+    ``coalesce_seconds`` s, or ``batch_size`` rows are due); if that is beyond the remaining budget,
+    return (the next run takes it: the worker slot is not held idle); if it is ahead, sleep (at
+    most ``poll_seconds`` s at a time); otherwise cancel suppressed due rows, claim up to
+    ``batch_size`` due rows of one campaign (``FOR UPDATE SKIP LOCKED``: concurrent dispatchers
+    never share a row and never wait on each other), render them, store the batch, send it with
+    ``provider.send_batch(batch, deadline)`` and apply the outcome by index with
+    ``PostgresStore.apply`` (docs/model.md: a request proven not processed returns its rows to
+    ``pending`` without charging them and stops the run; rows of an ambiguous request keep their
+    key and bytes for the reconciler). Campaigns left with nothing to send are completed at the end.
+
+    :param conn: psycopg 3 connection to the send log (each step is its own transaction).
+    :param provider: ``send_batch(batch, deadline) -> Outcome`` (a ResendClient), on ``clock``'s
+        monotonic timeline; a claimed batch may run ``send_grace_seconds`` past the budget.
+    :param budget_seconds: no new claim or wait starts after this many seconds (monotonic).
+    :param batch_size: emails per request, 1-100.
+    :param policy: the contact policy (default: ``[policy]`` of ``campaigns/lifecycle.toml``).
+    :param pipelined: claim, render and store batch N+1 while batch N is in flight
+        (:class:`mailflow.sendloop.engine.ChunkPipeline`: one batch in flight, its answer applied on ``conn``;
+        a crash leaves at most two claimed batches, both with their bytes, for the reconciler).
+    :raises SendError: after recording everything, if the provider refused the key, an
+        idempotency conflict needs a person, or an email could not be rendered (a recipient's
+        snapshot lacks a template variable: that row is marked ``failed``, the others are sent).
+    :raises ValueError: for a batch size outside 1-100.
+    """
+    if not 1 <= batch_size <= MAX_BATCH:
+        raise ValueError(f"batch_size must be between 1 and {MAX_BATCH} emails (provider batch limit), got {batch_size}")
+    clock = clock or SystemClock()
+    run = run or RunContext()
+    d = _Dispatcher(conn, renderer, run, batch_size, policy)
+    summary = DispatchSummary()
+    t0 = clock.monotonic()
+    deadline = t0 + budget_seconds
+    fatal: list[str] = []
+    slot: float | None = None
+    pipe = ChunkPipeline(d.store, provider, run, enabled=pipelined)
+
+    def drain() -> str | None:
+        """Collect the batch in flight (if any); the reason the run stops, if its answer says so."""
+        done = pipe.collect()
+        if done is None:
+            return None
+        chunk, outcome, applied, batch = done
+        claim = chunk.tag
+        assert isinstance(claim, _Claim)
+        d.count(claim, outcome, applied, batch, summary)
+        if isinstance(outcome, NotSent | Unknown | Refused):
+            if outcome.fatal:
+                fatal.append(f"{claim.campaign.name}: {outcome.reason}")
+            if outcome.stop_run or isinstance(outcome, NotSent):
+                # a whole-request failure that will repeat stops the run at once (docs/model.md)
+                return outcome.stop_run or outcome.reason
+        return None
+
+    try:
+        while True:
+            remaining = deadline - clock.monotonic()
+            if remaining <= 0:
+                summary.stopped = "time budget"
+                break
+            wait = d.due_wait(coalesce_seconds)
+            if wait is None:
+                break  # nothing pending in any active campaign
+            if wait > 0:
+                if pipe.busy:  # nothing to prepare meanwhile: take the answer of the batch in flight
+                    stop = drain()
+                    if stop:
+                        summary.stopped = stop
+                        break
+                    continue
+                if wait >= remaining:
+                    break  # the next claim falls after this run's budget: free the worker slot
+                nap = min(wait, poll_seconds)
+                clock.sleep(nap)
+                summary.idle_seconds += nap
+                continue
+            # The budget covers the wait for the request slot, checked BEFORE claiming: a claimed batch
+            # is always sent (its first attempt starts at the reserved slot).
+            if slot is None:
+                slot = reserve_slot(provider, deadline + send_grace_seconds, clock)
+            if slot is None:
+                summary.stopped = "time budget"
+                break
+            suppressed, claim = d.claim()
+            summary.suppressed += suppressed
+            if claim is None:
+                if pipe.busy:
+                    stop = drain()
+                    if stop:
+                        summary.stopped = stop
+                        break
+                elif not suppressed:
+                    # every due row is held by another dispatcher: look again shortly
+                    nap = min(0.2, remaining)
+                    clock.sleep(nap)
+                    summary.idle_seconds += nap
+                continue
+            summary.deferred += claim.decided.get("deferred", 0)
+            summary.skipped += claim.decided.get("skipped", 0)
+            summary.invalid += claim.decided.get("failed", 0)
+            summary.duplicates += claim.decided.get("duplicate", 0)
+            summary.render_failed += claim.render_failed
+            if claim.render_failed:
+                fatal.append(f"{claim.campaign.name}: {claim.render_failed} email(s) could not be rendered and "
+                             f"were marked failed ({claim.render_errors[0]})")
+            summary.claimed += len(claim.rows) + claim.render_failed
+            if claim.batch is None:
+                continue
+            summary.batches += 1
+            chunk = InFlight(claim.batch, claim.rows, partial(d.prepare, claim.campaign),
+                             deadline + send_grace_seconds, tag=claim)
+            stop = drain()  # one batch in flight at a time: the previous one's answer first
+            if stop:
+                summary.released += release_unsent(d.store, chunk, f"the run stopped ({stop})", run).released
+                summary.stopped = stop
+                break
+            pipe.submit(chunk, slot)
+            slot = None
+            if not pipe.pipelined:  # unpipelined: the answer is applied before the next claim
+                stop = drain()
+                if stop:
+                    summary.stopped = stop
+                    break
+        stop = drain()
+        if stop and not summary.stopped:
+            summary.stopped = stop
+    finally:
+        try:
+            if pipe.busy:
+                drain()
+        finally:
+            pipe.close()
+    summary.completed = complete(conn, actor=_actor(run, "dispatcher"))
+    summary.seconds = clock.monotonic() - t0
+    log.info("dispatch: %s", summary.as_dict())
+    if fatal:
+        raise SendError("; ".join(fatal))
+    return summary
