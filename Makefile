@@ -29,8 +29,9 @@ test: venv       ## the whole suite (embedded Postgres, or TEST_DATABASE_URL whe
 test-fast: venv  ## unit tests only (no database, no HTTP server)
 	$(PY) -m pytest tests/unit -q
 
-lint: venv       ## ruff (incl. Airflow AIR rules) and mypy on the engine
+lint: venv       ## ruff (incl. Airflow AIR rules), the import contracts (pyproject.toml) and mypy
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
 bench: venv      ## benchmarks against a real Postgres and the emulator (not part of `make test`)

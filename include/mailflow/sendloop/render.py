@@ -14,15 +14,17 @@ import re
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import jinja2
 
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
-from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner
 from mailflow.sendloop.keys import idempotency_key
 from mailflow.sendloop.outcome import MintedRow, PreparedBatch
+
+if TYPE_CHECKING:  # the renderer only calls signer.token(): no import of the feedback stage
+    from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner
 
 
 class RenderError(ValueError):
