@@ -31,7 +31,7 @@ SEED = 42
 # and of the anchor, since the address stream draws the same number of values per user.
 EXPECTED_MALFORMED = 58
 
-MAILFLOW = Path(__file__).resolve().parents[2] / "include" / "mailflow"
+MAILFLOW = Path(__file__).resolve().parents[3] / "include" / "mailflow"
 AUDIENCES = MAILFLOW / "campaigns" / "audiences"
 TEMPLATES = MAILFLOW / "campaigns" / "templates"
 

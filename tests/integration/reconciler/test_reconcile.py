@@ -6,25 +6,22 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_lifecycle_send import END, INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
+from lifecycle_rig import (
+    INTERVAL,
+    RUN,
+    Rig,
+    add_user,
+    rig,  # noqa: F401  (fixture)
+    simple_campaign,
+)
+from reconciler_rig import REPAIR, age_claims, db_now
 
 from mailflow.orchestration.alerts import dead_letter_alert
 from mailflow.provider.client import RetryPolicy
 from mailflow.reconciler import reconcile
 from mailflow.sendloop.clock import FakeClock
-from mailflow.sendloop.outcome import RunContext
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the answer is lost and not retried: outcome unknown
-REPAIR = RunContext(dag_id="reconcile_send_log", run_id="r1", task_id="reconcile")
-
-
-def db_now(rig: Rig):
-    return rig.db.execute("select now()").fetchone()[0]
-
-
-def age_claims(rig: Rig, minutes: int, where: str = "true") -> None:
-    rig.db.execute(f"update mail.send_log set claimed_at = claimed_at - make_interval(mins => %s) where {where}",
-                   (minutes,))
 
 
 def repair(rig: Rig, **kw):

@@ -15,7 +15,7 @@ import httpx
 import psycopg
 import pytest
 from conftest import UNSUBSCRIBE_SECRET
-from test_lifecycle_send import INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
+from lifecycle_rig import INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
 
 from mailflow.emulator.testing import free_port
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret

@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 import pytest
-import test_scheduled as ts
-from test_lifecycle_send import END, INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
-from test_reconcile import REPAIR, age_claims, db_now
+import scheduled_rig as ts
+from lifecycle_rig import END, INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
+from reconciler_rig import REPAIR, age_claims, db_now
 
 from mailflow.reconciler import reconcile
 from mailflow.sendloop.outcome import PreparedBatch

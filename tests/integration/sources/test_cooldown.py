@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from test_lifecycle_send import END, Rig, add_user, rig, simple_campaign  # noqa: F401
+from lifecycle_rig import END, Rig, add_user, rig, simple_campaign  # noqa: F401
 
 D = timedelta(days=1)
 

@@ -12,10 +12,10 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-import test_scheduled as ts
+import scheduled_rig as ts
 from conftest import UNSUBSCRIBE_SECRET
-from test_lifecycle_send import RacingConnection, add_user, simple_campaign
-from test_lifecycle_send import Rig as LRig
+from lifecycle_rig import RacingConnection, add_user, simple_campaign
+from lifecycle_rig import Rig as LRig
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret

@@ -20,7 +20,7 @@ from mailflow.store import migrate as migrator
 from mailflow.store.migrate import Migration, SchemaNotCurrent, migrate, migration_files, require_current
 from mailflow_dev import devenv
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
