@@ -1,4 +1,4 @@
-"""Test helpers shared by tests/integration/test_analytics.py and tests/e2e/test_progress_page.py:
+"""Test helpers shared by tests/integration/store/test_analytics.py and tests/e2e/test_progress_page.py:
 a Resend client on the emulator, the real renderer, one real lifecycle run through the engine, and
 the example queries of docs/send_log.md extracted from the markdown.
 """

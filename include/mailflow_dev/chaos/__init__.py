@@ -10,7 +10,7 @@ there, so "a key with two bodies" across databases would show.
 Per fault kind:
 
 1. **fault phase**: the emulator's fault is switched on; sender (``run_lifecycle``), dispatcher
-   (``scheduled.dispatch``) and reconciler (``repair.reconcile``, stale threshold 0: every earlier
+   (``scheduled.dispatch``) and reconciler (``reconciler.reconcile``, stale threshold 0: every earlier
    process is dead or done) runs alternate, each a forked process, most of them SIGKILLed at a random
    point: sender ``before_mint`` / ``after_mint`` (rows and bytes stored, no request) / ``in_flight``
    (a timer fires while the request is out) / ``before_apply`` (the answer arrived, not recorded);

@@ -3,7 +3,7 @@
 A campaign sends ``emails_per_day`` emails on each allowed local day, spread evenly in real elapsed
 time over that day's local business-hour windows in the campaign's IANA timezone.
 
-Rules (the single source of truth; the tests in ``tests/unit/test_planner.py`` pin them down):
+Rules (the single source of truth; the tests in ``tests/unit/sources/test_planner.py`` pin them down):
 
 * **Eligible instants.** An instant is eligible on plan day ``D`` iff its local wall-clock reading
   (``instant.astimezone(zone)``) is inside one of ``D``'s windows (start inclusive, end exclusive).
