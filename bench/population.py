@@ -39,9 +39,9 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from bench.common import ANCHOR
-from mailflow import devenv
-from mailflow.demo.loader import schema_sql
-from mailflow.migrate import migrate
+from mailflow.store.migrate import migrate
+from mailflow_dev import devenv
+from mailflow_dev.demo.loader import schema_sql
 
 USERS_SQL = """
 insert into app.users (user_id, email, first_name, last_name, signed_up_at, timezone, plan, last_active_at)
