@@ -30,14 +30,17 @@ RECENT_SQL = """
 select * from (
     (select send_log_id, user_id, email, status, rolled_back, dead_lettered, attempts, error,
             scheduled_at, minted_at, claimed_at, sent_at
+     from mail.email_status
      where campaign = %(campaign)s and status = 'sent' order by sent_at desc limit %(limit)s)
     union all
     (select send_log_id, user_id, email, status, rolled_back, dead_lettered, attempts, error,
             scheduled_at, minted_at, claimed_at, sent_at
+     from mail.email_status
      where campaign = %(campaign)s and status = 'sending' order by claimed_at desc limit %(limit)s)
     union all
     (select send_log_id, user_id, email, status, rolled_back, dead_lettered, attempts, error,
             scheduled_at, minted_at, claimed_at, sent_at
+     from mail.email_status
      where campaign = %(campaign)s and status in ('failed', 'cancelled') order by minted_at desc limit %(limit)s)
 ) as r
 order by coalesce(sent_at, claimed_at, minted_at) desc, send_log_id desc
