@@ -221,3 +221,4 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
             # an outage, the budget) stops the run at once: it does not march through the
             # audience. Released rows charged nobody; the next healthy run sends them.
             summary.stopped = state.stop = outcome.stop_run or outcome.reason
+        # An ambiguous chunk (rows kept with their key for the reconciler): go on.
