@@ -38,7 +38,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from bench import population
-from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, renderer
+from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, record_durations, renderer
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sources.lifecycle import run_lifecycle
@@ -266,11 +266,11 @@ def scale_pipeline(dsn: str, interval: DataInterval, page_s: dict[str, float]) -
     with psycopg.connect(dsn, autocommit=True) as conn:
         store = PostgresStore(conn)
         r = renderer()
-        _span(store, "open_audience", spans["snapshot"])
-        _span(store, "mint_chunk", spans["mint_chunk"])
-        _span(store, "_save_batch", spans["store"])
-        _span(store, "apply", spans["apply"])
-        _span(r, "prepare_batch", spans["render"])
+        record_durations(store, "open_audience", spans["snapshot"])
+        record_durations(store, "mint_chunk", spans["mint_chunk"])
+        record_durations(store, "_save_batch", spans["store"])
+        record_durations(store, "apply", spans["apply"])
+        record_durations(r, "prepare_batch", spans["render"])
         for c in load_campaigns():
             provider = InstantProvider()
             t0 = time.perf_counter()
@@ -296,19 +296,6 @@ def scale_pipeline(dsn: str, interval: DataInterval, page_s: dict[str, float]) -
             "snapshots_s": round(sum(spans["snapshot"]), 2),
             "chunks": int(total_chunks), "per_campaign": per, "breakdown_ms_per_chunk": breakdown}
 
-
-def _span(obj: Any, name: str, sink: list[float]) -> None:
-    """Replace ``obj.name`` by a wrapper that appends each call's duration (s) to ``sink``."""
-    fn = getattr(obj, name)
-
-    def wrapper(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            sink.append(time.perf_counter() - t0)
-
-    setattr(obj, name, wrapper)
 
 
 def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import wraps
 from typing import Any
 
 import psycopg
@@ -110,3 +111,18 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def record_durations(obj: Any, name: str, sink: list[float]) -> None:
+    """Replace ``obj.name`` by a wrapper that appends each call's duration (s) to ``sink``."""
+    fn = getattr(obj, name)
+
+    @wraps(fn)
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            sink.append(time.perf_counter() - t0)
+
+    setattr(obj, name, wrapper)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from functools import wraps
 from typing import Any
 
 import psycopg
@@ -33,6 +32,7 @@ from bench.common import (
     median,
     metric,
     percentile,
+    record_durations,
     renderer,
     scratch_database,
 )
@@ -46,20 +46,6 @@ TARGET_MS = 20.0
 RUN = RunContext(dag_id="bench", run_id="bench-pipeline", task_id="send_campaigns")
 
 
-def _timed(obj: Any, name: str, sink: list[float]) -> None:
-    """Replace ``obj.name`` by a wrapper that appends each call's duration (s) to ``sink``."""
-    fn = getattr(obj, name)
-
-    @wraps(fn)
-    def wrapper(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            sink.append(time.perf_counter() - t0)
-
-    setattr(obj, name, wrapper)
-
 
 def batched(dsn: str, interval: DataInterval, chunks: int, prepare_threshold: int | None = 5) -> dict[str, Any]:
     """One ``run_lifecycle`` over every campaign, stopped after ``chunks`` chunks."""
@@ -70,11 +56,11 @@ def batched(dsn: str, interval: DataInterval, chunks: int, prepare_threshold: in
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.prepare_threshold = prepare_threshold
         store = PostgresStore(conn)
-        _timed(store, "open_audience", spans["count"])  # the per-run audience snapshots (once per campaign)
-        _timed(store, "_save_batch", spans["store"])
-        _timed(store, "mint_chunk", spans["mint"])
-        _timed(store, "apply", spans["apply"])
-        _timed(r, "prepare_batch", spans["render"])
+        record_durations(store, "open_audience", spans["count"])  # the per-run audience snapshots (once per campaign)
+        record_durations(store, "_save_batch", spans["store"])
+        record_durations(store, "mint_chunk", spans["mint"])
+        record_durations(store, "apply", spans["apply"])
+        record_durations(r, "prepare_batch", spans["render"])
         t0 = time.perf_counter()
         summaries = run_lifecycle(store, provider, r, campaigns, interval, run=RUN, budget_seconds=chunks,
                                   clock=ChunkClock(provider))
