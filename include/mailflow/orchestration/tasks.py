@@ -136,19 +136,27 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
             return store.preview(campaigns, interval, renderer, sample=3)
         hook = ResendHook(settings.RESEND_CONN_ID)
         client = hook.get_conn()
+        pipelined = settings.pipelined()
+        # pipelined: the sender thread applies each answer on a second connection of its own
+        apply_conn = send_log_connection() if pipelined else None
         try:
+            if apply_conn is not None:
+                apply_conn.autocommit = True
             summaries = run_lifecycle(store, client, renderer, campaigns, interval, run=run,
                                       budget_seconds=budget,
                                       chunk_size=int(params.get("chunk_size", 100)),
                                       now=conn.execute("select now()").fetchone()[0],
                                       allow_old_interval=bool(params.get("allow_old_interval", False)),
-                                      pipelined=settings.pipelined())
+                                      pipelined=pipelined,
+                                      apply_store=store.companion(apply_conn) if apply_conn is not None else None)
         except SendError as exc:
             for s in exc.summaries:
                 log.error("summary: %s", s.as_dict())
             raise
         finally:
             client.close()
+            if apply_conn is not None:
+                apply_conn.close()
             log.info("provider requests: %s", client.stats)
     return [s.as_dict() for s in summaries]
 

@@ -114,20 +114,25 @@ class ChunkPipeline:
     """Pipelined sending (issue 16): at most ONE chunk in flight while the caller prepares the next.
 
     ``submit`` starts the provider call of a stored chunk (its rows ``sending`` with their batch
-    bytes: recoverable by the reconciler) on a single background thread that does the HTTP call
-    only (the provider is thread-safe: httpx and a locked pacer); the caller's thread meanwhile
-    pages, mints, renders and stores chunk N+1 on its own connection. ``collect`` waits for the
-    chunk in flight and applies its answer by index on the caller's connection (the store is
-    never used by two threads). So a crash leaves at most two chunks exposed, both stored with
-    their bytes: the one in flight and the one just minted. With ``enabled=False`` ``submit`` sends
-    synchronously (the unpipelined engine, for comparison and for providers that are not
-    thread-safe).
+    bytes: recoverable by the reconciler) on a single background thread (the provider is
+    thread-safe: httpx and a locked pacer); the caller's thread meanwhile pages, mints, renders and
+    stores chunk N+1 on its own connection. The answer is applied by index either on the sender
+    thread, with ``apply_store`` (a store on a SECOND connection, e.g.
+    :meth:`~mailflow.store.send_log.PostgresStore.companion`: apply leaves the critical path), or,
+    without one, by ``collect`` on the caller's thread and connection. No connection is ever used
+    by two threads. ``collect`` waits for the chunk in flight (sent and applied). So a crash leaves
+    at most two chunks exposed, both stored with their bytes: the one in flight (or being applied)
+    and the one just minted. With ``enabled=False`` ``submit`` sends synchronously (the unpipelined
+    engine, for comparison and for providers that are not thread-safe).
     """
 
-    def __init__(self, store: Store, provider: BatchProvider, run: RunContext, *, enabled: bool = True):
+    def __init__(self, store: Store, provider: BatchProvider, run: RunContext, *, enabled: bool = True,
+                 apply_store: Store | None = None):
         self.store, self.provider, self.run = store, provider, run
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mailflow-send") if enabled else None
+        self._apply_store = apply_store if enabled else None
         self._inflight: InFlight | None = None
+        self._done: Future[tuple[Outcome, Applied, PreparedBatch]] | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -148,9 +153,18 @@ class ChunkPipeline:
             raise RuntimeError("a chunk is already in flight: collect() it first")
         if self._pool is None:
             chunk.outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
+        elif self._apply_store is not None:
+            self._done = self._pool.submit(self._send_and_apply, self._apply_store, chunk, slot)
         else:
             chunk.future = self._pool.submit(_send, self.provider, chunk.batch, chunk.deadline, slot)
         self._inflight = chunk
+
+    def _send_and_apply(self, store: Store, chunk: InFlight, slot: float | None) -> tuple[Outcome, Applied, PreparedBatch]:
+        """The sender thread's whole job for one chunk when it has its own store."""
+        outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
+        chunk.outcome = outcome
+        return finish_chunk(store, self.provider, chunk.prepare, chunk.batch, chunk.rows, outcome, chunk.deadline,
+                            self.run)
 
     def collect(self) -> tuple[InFlight, Outcome, Applied, PreparedBatch] | None:
         """Wait for the chunk in flight (if any) and apply its answer (:func:`finish_chunk`).
@@ -161,6 +175,10 @@ class ChunkPipeline:
         chunk, self._inflight = self._inflight, None
         if chunk is None:
             return None
+        if self._done is not None:
+            pending, self._done = self._done, None
+            result = pending.result()
+            return (chunk, *result)
         outcome = chunk.outcome if chunk.future is None else chunk.future.result()
         assert outcome is not None
         done = finish_chunk(self.store, self.provider, chunk.prepare, chunk.batch, chunk.rows, outcome,

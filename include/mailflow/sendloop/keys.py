@@ -27,3 +27,11 @@ def key_tag(campaign: str) -> str:
     """The campaign part of an idempotency key: ``[A-Za-z0-9_]`` only, at most 64 characters
     (a key is 1-256 characters, Resend's idempotency page)."""
     return re.sub(r"[^A-Za-z0-9_]", "_", campaign)[:64] or "_"
+
+
+def batch_key(installation: str, campaign: str, serial: int, body: bytes) -> str:
+    """The stored key of a batch: ``mf-<installation id>-<campaign tag>-<batch serial>-<16 hex of
+    sha256(body)>`` (docs/model.md, "Idempotency keys"; the same format ``send_log.save_batch``
+    builds in SQL). ``installation`` is ``mail.installation.id`` (unique per database), ``serial``
+    a value of ``mail.send_batch_serial`` (unique per batch in it)."""
+    return f"mf-{installation}-{key_tag(campaign)}-{int(serial)}-{hashlib.sha256(body).hexdigest()[:16]}"

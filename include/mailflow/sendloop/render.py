@@ -46,6 +46,9 @@ def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
         autoescape=_autoescape,
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
+        # templates are version-controlled files loaded once per process: no stat() of every
+        # template (and its layout) per email to check for edits during a run
+        auto_reload=False,
     )
 
 
@@ -81,6 +84,9 @@ class Renderer:
         self.app_url = app_url.rstrip("/")
         self.env = env or template_env()
         self._subjects: dict[str, jinja2.Template] = {}
+        # (campaign, template name) -> compiled template: get_template() per email stats the file
+        # twice (Jinja2's auto_reload) and looks it up in the cache; a run renders thousands
+        self._templates: dict[tuple[str, str], jinja2.Template] = {}
         address = (os.environ.get(MAILTO_ENV, "") if mailto is None else mailto).strip()
         address = address[len("mailto:"):] if address.lower().startswith("mailto:") else address
         if address and not _MAILTO.match(address):
@@ -117,14 +123,21 @@ class Renderer:
             "from": campaign.from_address,
             "to": [row.email],
             "subject": " ".join(subject_t.render(ctx).split()),
-            "html": self.env.get_template(f"{campaign.template}.html.j2").render(ctx),
-            "text": self.env.get_template(f"{campaign.template}.txt.j2").render(ctx),
+            "html": self._template(campaign, "html").render(ctx),
+            "text": self._template(campaign, "txt").render(ctx),
             "headers": headers,
             "tags": [{"name": "campaign", "value": campaign.name}],
         }
         if campaign.reply_to:
             email["reply_to"] = campaign.reply_to
         return email
+
+    def _template(self, campaign: Campaign, kind: str) -> jinja2.Template:
+        name = f"{campaign.template}.{kind}.j2"
+        t = self._templates.get((campaign.name, name))
+        if t is None:
+            t = self._templates[(campaign.name, name)] = self.env.get_template(name)
+        return t
 
     def prepare_batch(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
         """Render ``rows`` (in the given order: request index i = rows[i]) into one batch.

@@ -56,6 +56,7 @@ def run_lifecycle(
     now: datetime | None = None,
     allow_old_interval: bool = False,
     pipelined: bool = False,
+    apply_store: Store | None = None,
 ) -> list[CampaignSummary]:
     """Send every campaign's audience for one data interval, highest priority first.
 
@@ -72,7 +73,9 @@ def run_lifecycle(
     ``pipelined`` (the Airflow task turns it on, :func:`mailflow.settings.pipelined`): chunk N+1 is
     paged, minted, rendered and stored while chunk N is in flight (:class:`ChunkPipeline`; the
     budget is still checked before each mint); at most two chunks are exposed to a crash, both
-    stored with their bytes. Off (the library default): one chunk after the other, so a provider
+    stored with their bytes. With ``apply_store`` (a store on a second connection sharing the
+    first's run memory, :meth:`~mailflow.store.send_log.PostgresStore.companion`) the sender thread
+    also applies each answer, so apply is off the critical path too. Off (the library default): one chunk after the other, so a provider
     double that advances a fake clock sees the budget checked strictly between chunks.
 
     Backfills: when ``now`` (aware, the wall clock of the run) is given and the interval ended more
@@ -91,7 +94,7 @@ def run_lifecycle(
     state = _RunState()
     open_audience = getattr(store, "open_audience", None)
     close_audience = getattr(store, "close_audience", None)
-    pipe = ChunkPipeline(store, provider, run, enabled=pipelined)
+    pipe = ChunkPipeline(store, provider, run, enabled=pipelined, apply_store=apply_store)
     try:
         for campaign in sorted(campaigns, key=lambda c: c.priority):
             summary = CampaignSummary(campaign=campaign.name)

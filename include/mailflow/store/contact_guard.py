@@ -74,6 +74,15 @@ def load_contacts(conn: psycopg.Connection, user_ids: Sequence[int], policy: Con
     return contacts_from_rows(rows)
 
 
+def contact_params(user_ids: Sequence[int], policy: ContactPolicy, *, ref: datetime,
+                   include_planned: bool) -> dict[str, object]:
+    """Parameters of ``contact.contact_times`` (the lifecycle mint's index-only form of
+    :func:`load_contacts`, run in the same pipeline as the lock, after it): the users, ``ref``
+    (aware) and the policy's widest window; the claim's "now" is the transaction's ``now()``."""
+    return {"ids": sorted(set(int(u) for u in user_ids)), "ref": ref, "widest": policy.widest(),
+            "include_planned": include_planned}
+
+
 def policy_hold(policy: ContactPolicy, contacts: dict[int, list[Contact]], user_id: int, *, ref: datetime,
                 now: datetime) -> Hold | None:
     """:func:`mailflow.store.policy.evaluate` for one user of a :func:`load_contacts` result."""

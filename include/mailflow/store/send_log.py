@@ -7,6 +7,7 @@ current state and appends a ``mail.send_event`` row in the same statement.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -17,7 +18,7 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.keys import key_tag
+from mailflow.sendloop.keys import batch_key, key_tag
 from mailflow.sendloop.outcome import (
     Accepted,
     MintedRow,
@@ -30,12 +31,10 @@ from mailflow.sendloop.outcome import (
 )
 from mailflow.store.contact_guard import (
     caps_sql,
+    contact_params,
     duplicate_reason,
-    load_contacts,
-    lock_contacts,
-    reserve_addresses,
 )
-from mailflow.store.policy import evaluate, normalise_address
+from mailflow.store.policy import contacts_from_rows, evaluate, normalise_address
 from mailflow.store.sql import query
 
 
@@ -68,6 +67,54 @@ class Applied:
     def __add__(self, other: Applied) -> Applied:
         return Applied(self.sent + other.sent, self.failed + other.failed, self.released + other.released,
                        self.unknown + other.unknown)
+
+
+class _LostRows(Exception):
+    """The mint's ON CONFLICT backstop claimed only ``claimed`` (user ids) of a batch's rows."""
+
+    def __init__(self, claimed: set[int]):
+        super().__init__(f"{len(claimed)} rows claimed")
+        self.claimed = claimed
+
+
+class RunMemory:
+    """What a store (and its :meth:`PostgresStore.companion` on the sender thread) remembers across
+    chunks of a run, thread-safe: the normalised addresses the provider rejected in each run
+    (read once per run from the send log, then kept up to date by every apply: a lower-priority
+    campaign does not try them again in the same run), and the address of each row in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rejected: dict[str | None, set[str]] = {}
+        self._row_keys: dict[int, str] = {}
+
+    def rejected_in_run(self, conn: psycopg.Connection, run_id: str | None) -> frozenset[str]:
+        """The addresses rejected in run ``run_id`` so far (none without a run id)."""
+        if run_id is None:
+            return frozenset()
+        with self._lock:
+            known = self._rejected.get(run_id)
+        if known is None:
+            rows = conn.execute(query("mint", "rejected_of_run"), {"run_id": run_id}).fetchall()
+            with self._lock:
+                known = self._rejected.setdefault(run_id, {str(r[0]) for r in rows})
+        with self._lock:
+            return frozenset(known)
+
+    def minted(self, rows: Sequence[MintedRow], keys: dict[int, str]) -> None:
+        """Remember the normalised address of each minted row (``keys``: user_id -> address)."""
+        with self._lock:
+            for r in rows:
+                self._row_keys[r.id] = keys[r.user_id]
+
+    def applied(self, run_id: str | None, row_ids: Sequence[int], rejected: Sequence[int]) -> None:
+        """A batch's answer was applied: ``rejected`` rows' addresses join the run's rejections."""
+        with self._lock:
+            keys = [self._row_keys.pop(i, None) for i in row_ids]
+            if run_id is not None and run_id in self._rejected:
+                bad = set(rejected)
+                self._rejected[run_id].update(k for i, k in zip(row_ids, keys, strict=True)
+                                              if k is not None and i in bad)
 
 
 class Store(Protocol):
@@ -105,6 +152,15 @@ class PostgresStore:
         self._sql_cache: dict[tuple[Any, ...], pgsql.Composed] = {}
         self._snapshots: dict[str, pgsql.Identifier] = {}
         self._snapshot_seq = 0
+        self._memory = RunMemory()
+
+    def companion(self, conn: psycopg.Connection) -> PostgresStore:
+        """A store on another connection that shares this one's :class:`RunMemory`: the pipelined
+        sender applies answers with it on its own thread (a connection is never used by two
+        threads), while this store mints the next chunk."""
+        other = PostgresStore(conn)
+        other._memory = self._memory
+        return other
 
     def _audience_sql(self, name: str, campaign: Campaign) -> pgsql.Composed:
         key = (name, campaign.name, campaign.audience_sql, campaign.exempt, len(campaign.contact_policy.extra_caps()))
@@ -192,73 +248,132 @@ class PostgresStore:
         who = {"campaign": campaign.name, "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id,
                "interval_start": interval[0], "interval_end": interval[1]}
         snapshot = self._snapshots.get(campaign.name)
-        with self.conn.transaction():
+        policy = campaign.contact_policy
+        checks_policy = not campaign.exempt and bool(policy.rules)
+        ref = cooldown_since + campaign.cooldown
+        conn = self.conn
+        with conn.transaction():
+            # round trip 1: the page
             if snapshot is not None:
-                page = self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_page")).format(snapshot=snapshot),
-                                         params).fetchall()
+                page = conn.execute(pgsql.SQL(query("lifecycle", "snapshot_page")).format(snapshot=snapshot),
+                                    params).fetchall()
             else:
-                page = self.conn.execute(self._audience_sql("audience_page", campaign), params).fetchall()
+                page = conn.execute(self._audience_sql("audience_page", campaign), params).fetchall()
             if not page:
                 return MintResult(page_size=0, cursor=after, batch=None)
             cursor, read = max(r[0] for r in page), len(page)
-            unsubscribed = 0
-            if snapshot is not None:
-                # the snapshot may have aged: a user who unsubscribed since is left out (the address
-                # suppression, the policy and the (user, campaign) key are re-checked below anyway)
-                gone = {int(x[0]) for x in self.conn.execute(query("contact", "suppressed_users"), {
-                    "ids": [int(r[0]) for r in page], "campaign": campaign.name})}
-                page = [r for r in page if int(r[0]) not in gone]
-                unsubscribed = read - len(page)  # counted as held, like an address left out below
             addresses = {int(r[0]): normalise_address(r[1]) for r in page}
             decided = [{"user_id": r[0], "email": (r[1] or "").strip(), "context": r[2], "status": "failed",
                         "error": f"invalid address: {addresses[r[0]].error}"} for r in page if not addresses[r[0]].valid]
             valid = [r for r in page if addresses[r[0]].valid]
             keys = sorted({k for r in valid for k in addresses[r[0]].keys})
-            barred: set[str] = set()
-            if keys:
-                barred = {x[0] for x in self.conn.execute(query("contact", "suppressed_addresses"),
-                                                          {"keys": keys, "campaign": campaign.name})}
-                if run.run_id is not None:
-                    barred |= {x[0] for x in self.conn.execute(query("lifecycle", "rejected_in_run"),
-                                                               {"keys": keys, "run_id": run.run_id})}
+            uids = sorted({int(r[0]) for r in valid})
+            rejected = self._memory.rejected_in_run(conn, run.run_id)
+            # round trip 2 (one pipeline; the server runs the statements in this order, each seeing
+            # the ones before): suppression re-checks, the contact guard's lock, then what the lock
+            # makes authoritative: the users' contacts and their live rows of this campaign.
+            gone_cur = barred_cur = now_cur = contacts_cur = taken_cur = None
+            with conn.pipeline():
+                if snapshot is not None:
+                    # the snapshot may have aged: a user who unsubscribed since is left out
+                    gone_cur = conn.execute(query("contact", "suppressed_users"),
+                                            {"ids": sorted({int(r[0]) for r in page}), "campaign": campaign.name})
+                if uids:
+                    barred_cur = conn.execute(query("contact", "suppressed_addresses"),
+                                              {"keys": keys, "campaign": campaign.name})
+                    conn.execute(query("contact", "ensure_contacts"), {"ids": uids})
+                    conn.execute(query("contact", "lock_contact_rows"), {"ids": uids})
+                    now_cur = conn.execute(query("contact", "db_now"))
+                    taken_cur = conn.execute(query("mint", "taken"), {"ids": uids, "campaign": campaign.name})
+                    if checks_policy:
+                        contacts_cur = conn.execute(query("contact", "contact_times"), contact_params(
+                            uids, policy, ref=ref, include_planned=True))
+            gone = {int(x[0]) for x in gone_cur} if gone_cur is not None else set()
+            barred = {str(x[0]) for x in barred_cur} if barred_cur is not None else set()
+            barred |= rejected
             # left out of this run, no row (a later run decides again), counted as held: the summary
             # accounts for every eligible user
-            held = len(valid) + unsubscribed
-            valid = [r for r in valid if not barred.intersection(addresses[r[0]].keys)]
+            held = len(valid) + sum(1 for d in decided if int(d["user_id"]) in gone)
+            decided = [d for d in decided if int(d["user_id"]) not in gone]
+            valid = [r for r in valid if int(r[0]) not in gone and not barred.intersection(addresses[r[0]].keys)]
+            if valid and contacts_cur is not None and now_cur is not None:
+                now_row = now_cur.fetchone()
+                assert now_row is not None
+                now = now_row[0]
+                contacts = contacts_from_rows(contacts_cur.fetchall())
+                valid = [r for r in valid if evaluate(policy, contacts.get(int(r[0]), ()), ref=ref, now=now) is None]
             held -= len(valid)
+            if valid and taken_cur is not None:
+                # another run of this campaign minted the user after the snapshot (an exempt
+                # campaign's race; under the policy the guard holds them above): not ours, not held
+                taken = {int(x[0]) for x in taken_cur}
+                valid = [r for r in valid if int(r[0]) not in taken]
+            alloc: Any = None
             if valid:
-                uids = [int(r[0]) for r in valid]
-                now = lock_contacts(self.conn, uids)
-                policy = campaign.contact_policy
-                if not campaign.exempt and policy.rules:
-                    ref = cooldown_since + campaign.cooldown
-                    contacts = load_contacts(self.conn, uids, policy, ref=ref, now=now, include_planned=True)
-                    ok = [r for r in valid if evaluate(policy, contacts.get(int(r[0]), ()), ref=ref, now=now) is None]
-                    held += len(valid) - len(ok)
-                    valid = ok
-            if valid:
-                holders = reserve_addresses(self.conn, campaign.name, [(int(r[0]), addresses[r[0]].key) for r in valid])
+                # round trip 3: reserve the addresses (one email per address and campaign) and
+                # allocate the ids and the batch serial
+                claims = [(int(r[0]), addresses[r[0]].key) for r in valid]
+                with conn.pipeline():
+                    conn.execute(query("lifecycle", "reserve_addresses"), {
+                        "campaign": campaign.name, "keys": [k for _, k in claims], "uids": [u for u, _ in claims]})
+                    holders_cur = conn.execute(query("lifecycle", "address_holders"), {
+                        "campaign": campaign.name, "keys": sorted({k for _, k in claims})})
+                    alloc_cur = conn.execute(query("mint", "allocate"), {"n": len(valid)})
+                holders = {str(k): int(u) for k, u in holders_cur}
+                alloc = alloc_cur.fetchone()
                 for r in valid:
                     holder = holders[addresses[r[0]].key]
                     if holder != int(r[0]):
                         decided.append({"user_id": r[0], "email": addresses[r[0]].send, "context": r[2],
                                         "status": "duplicate", "error": duplicate_reason(addresses[r[0]].key, holder)})
                 valid = [r for r in valid if holders[addresses[r[0]].key] == int(r[0])]
-            minted: list[Any] = []
-            if valid:
-                minted = self.conn.execute(query("lifecycle", "mint"), who | {"page": Jsonb([
-                    {"user_id": r[0], "email": addresses[r[0]].send, "email_key": addresses[r[0]].key,
-                     "context": r[2]} for r in valid])}).fetchall()
             duplicates = sum(1 for d in decided if d["status"] == "duplicate")
             if decided:
-                self.conn.execute(query("lifecycle", "mint_decided"), who | {"page": Jsonb(decided)})
-            if not minted:
+                conn.execute(query("lifecycle", "mint_decided"), who | {"page": Jsonb(decided)})
+            if not valid:
                 return MintResult(page_size=read, cursor=cursor, batch=None, invalid=len(decided) - duplicates,
                                   duplicates=duplicates, held=held)
-            rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in minted)
-            batch = self._save_batch(prepare(rows))
+            assert alloc is not None
+            ids, serial, installation = list(alloc[0]), int(alloc[1]), str(alloc[2])
+            rows = tuple(MintedRow(id=int(ids[i]), user_id=int(r[0]), email=addresses[r[0]].send, context=r[2] or {})
+                         for i, r in enumerate(valid))
+            batch, rows = self._mint_keyed(campaign, rows, {int(r[0]): addresses[r[0]].key for r in valid},
+                                           who, serial, installation, prepare)
+        if batch is not None:
+            self._memory.minted(rows, {int(r[0]): addresses[r[0]].key for r in valid})
         return MintResult(page_size=read, cursor=cursor, batch=batch, rows=rows,
                           invalid=len(decided) - duplicates, duplicates=duplicates, held=held)
+
+    def _mint_keyed(self, campaign: Campaign, rows: tuple[MintedRow, ...], email_keys: dict[int, str],
+                    who: dict[str, Any], serial: int, installation: str,
+                    prepare: Callable[[Sequence[MintedRow]], PreparedBatch]) -> tuple[PreparedBatch | None,
+                                                                                      tuple[MintedRow, ...]]:
+        """Render ``rows`` (ids allocated), derive the key from the bytes, and insert rows, events and
+        batch in one pipeline inside a savepoint. If the ON CONFLICT backstop claimed fewer rows than
+        the batch names (a live row appeared without passing the contact lock), roll back to the
+        savepoint and do it again for the rows that were claimable: a batch never names a row it
+        does not hold."""
+        while rows:
+            batch = prepare(rows)
+            key = batch_key(installation, campaign.name, serial, batch.body)
+            batch = dataclasses.replace(batch, idempotency_key=key)
+            try:
+                with self.conn.transaction():  # a savepoint
+                    with self.conn.pipeline():
+                        minted_cur = self.conn.execute(query("mint", "mint_keyed"), who | {"key": key, "page": Jsonb([
+                            {"id": r.id, "user_id": r.user_id, "email": r.email, "email_key": email_keys[r.user_id],
+                             "context": r.context, "idx": i} for i, r in enumerate(rows)])})
+                        self.conn.execute(query("mint", "save_batch_keyed"), {
+                            "key": key, "campaign": batch.campaign, "count": len(batch.row_ids),
+                            "body": batch.body, "validation": batch.validation})
+                    claimed = {int(x[0]) for x in minted_cur}
+                    if len(claimed) != len(rows):
+                        raise _LostRows(claimed)
+            except _LostRows as lost:
+                rows = tuple(r for r in rows if r.user_id in lost.claimed)
+                continue
+            return batch, rows
+        return None, ()
 
     def _save_batch(self, batch: PreparedBatch) -> PreparedBatch:
         row = self.conn.execute(query("send_log", "save_batch"), {
@@ -312,11 +427,14 @@ class PostgresStore:
                     failed = len(self.conn.execute(query("send_log", "mark_failed"), who | {
                         "ids": [ids[i] for i in idx],
                         "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
+                self._memory.applied(run.run_id, ids, [ids[i] for i in outcome.rejected])
                 return Applied(sent=sent, failed=failed)
             if isinstance(outcome, Refused):
                 # Strict validation refused the whole request: nothing was processed and nothing
                 # changes here; the caller re-sends the chunk permissive under a new key.
                 return Applied()
+            if not isinstance(outcome, Refused):
+                self._memory.applied(run.run_id, ids, ())
             if isinstance(outcome, NotSent):
                 # Proven not processed: released without charging anyone, except rows that were
                 # ever part of an ambiguous request (they keep their key: only a 2xx resolves them).
