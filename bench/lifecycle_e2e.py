@@ -81,8 +81,10 @@ def engine_run(dsn: str, emu: EmulatorProcess, interval: DataInterval, fraction:
                           requests_per_second=CAP, target_fraction=fraction)
     client = ResendClient(emu.base_url, API_KEY, pacer=pacer, timeout=httpx.Timeout(30.0))
     run = RunContext(dag_id="bench", run_id=f"bench-e2e-{tag}", task_id="send_campaigns")
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn, autocommit=True) as apply_conn:
         store = PostgresStore(conn)
+        if ran_pipelined and "apply_store" in inspect.signature(run_lifecycle).parameters:
+            kw["apply_store"] = store.companion(apply_conn)  # as the Airflow task runs it
         t0 = time.perf_counter()
         summaries = run_lifecycle(store, client, renderer(), load_campaigns(), interval, run=run,
                                   budget_seconds=budget, **kw)
@@ -98,7 +100,7 @@ def engine_run(dsn: str, emu: EmulatorProcess, interval: DataInterval, fraction:
     return {
         "fraction": fraction, "budget_s": budget, "wall_s": round(wall, 2), "accepted": sent,
         "emails_per_second": sent / wall, "utilisation": sent / wall / target_eps, "target_emails_per_second": target_eps,
-        "requests": client.stats["requests"], "http_429": stats["responses_by_status"].get("429", 0),
+        "requests": client.stats["requests"], "late_slots": client.stats["late_slots"], "http_429": stats["responses_by_status"].get("429", 0),
         "duplicates": stats["outbox_lines"] - sent_rows, "outbox_lines": stats["outbox_lines"], "rows_sent": sent_rows,
         "pipelined": ran_pipelined,
         "campaigns": {s.campaign: {"eligible": s.eligible, "sent": s.sent, "stopped": s.stopped} for s in summaries},

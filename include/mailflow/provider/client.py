@@ -153,6 +153,17 @@ class ResendClient:
         start = self.clock.monotonic() + self.pacer.claim()
         return None if start > deadline else start
 
+    def peek_slot(self, deadline: float) -> float | None:
+        """Predict when the next request slot of the shared schedule starts, without claiming it.
+
+        :param deadline: ``clock.monotonic()`` value of the run's time budget.
+        :returns: the predicted ``clock.monotonic()`` start, or None when it is after ``deadline``.
+            A pacer without ``peek`` predicts "now".
+        """
+        peek = getattr(self.pacer, "peek", None)
+        start = self.clock.monotonic() + (float(peek()) if peek is not None else 0.0)
+        return None if start > deadline else start
+
     def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Outcome:
         """Send one prepared batch; return what is known about its delivery.
 

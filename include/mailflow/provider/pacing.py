@@ -150,6 +150,13 @@ class PostgresPacer:
         self.requests_per_second = min(self.configured, self.learned_limit or self.configured)
         return max((slot - db_now).total_seconds(), 0.0)
 
+    def peek(self) -> float:
+        """Seconds (>= 0) until the account's next slot would start if claimed now; claims nothing
+        (a read of ``mail.rate_slot``). The pipelined engine checks its budget with it."""
+        with self._lock:
+            row = self._db().execute(query("pacing", "peek_slot"), {"account": self.account}).fetchone()
+        return max(float(row[0]), 0.0) if row is not None and row[0] is not None else 0.0
+
     def push_back(self, seconds: float) -> None:
         with self._lock:
             self._db().execute(query("pacing", "rate_limited"),
@@ -219,6 +226,11 @@ class LocalPacer:
             slot = max(self._next, now)
             self._next = slot + self.spacing
             return slot - now
+
+    def peek(self) -> float:
+        """Seconds (>= 0) until the next slot would start if claimed now; claims nothing."""
+        with self._lock:
+            return max(self._next - self.clock.monotonic(), 0.0)
 
     def _hold(self, seconds: float) -> None:
         with self._lock:

@@ -47,6 +47,17 @@ def reserve_slot(provider: object, deadline: float, clock: Clock) -> float | Non
     return start
 
 
+def peek_slot(provider: object, deadline: float) -> float | None:
+    """The predicted start (``clock.monotonic()``) of the provider's next request slot, NOT claimed,
+    or None if it starts after ``deadline`` (then nothing should be minted). For providers with
+    ``peek_slot`` (:meth:`mailflow.provider.client.ResendClient.peek_slot`); the pipelined lifecycle
+    engine checks the budget with it before a mint and claims the slot right before the send.
+    Another sender may claim the predicted slot meanwhile: the chunk then starts a slot or a few
+    later, past the budget by at most that (a minted chunk is always sent)."""
+    start: float | None = provider.peek_slot(deadline)  # type: ignore[attr-defined]
+    return start
+
+
 def chunk_size_ok(chunk_size: int) -> int:
     """Validate a chunk size (emails per batch request).
 

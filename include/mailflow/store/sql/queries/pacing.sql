@@ -19,6 +19,12 @@ on conflict (account) do update
         spacing = excluded.spacing
 returning next_slot - make_interval(secs => spacing) as slot, clock_timestamp() as db_now, spacing, limit_per_second
 
+-- name: peek_slot
+-- Seconds until the account's next request slot would start if claimed now (0 if it is free now),
+-- claiming nothing: the pipelined engine's budget check before a mint. Null if the account is new.
+select greatest(extract(epoch from r.next_slot - clock_timestamp())::float8, 0) from mail.rate_slot r
+where r.account = %(account)s
+
 -- name: push_back
 -- Nobody on this account starts a request before now + seconds (ratelimit-remaining: 0).
 insert into mail.rate_slot as r (account, next_slot)
