@@ -1,5 +1,6 @@
-"""`python -m bench.analytics [--quick] [--dsn DSN] [--reuse]`: the analytics views (migration 0004)
-and the ten example queries of docs/send_log.md stay index-backed at scale.
+"""`python -m bench.analytics [--quick] [--dsn DSN] [--reuse]`: the analytics views (migrations 0004,
+0011), the progress page's queries and the example queries of docs/send_log.md stay index-backed at
+scale.
 
 The population is :mod:`bench.population` (1,000,000 users, five send-log rows each; ``--quick``: a
 tenth) plus the events the send log would have (``mail.send_event``: a creation event per row and
@@ -103,6 +104,17 @@ def checks(conn: psycopg.Connection) -> list[tuple[str, str, dict[str, Any], boo
         ("page_recent_emails", progress.RECENT_SQL, {"campaign": "practice_tips", "limit": 20}, True),
         ("page_errors", progress.ERRORS_SQL, {"campaign": "newsletter_3", "limit": 20}, True),
         ("page_campaign_list", progress.LIST_SQL, {}, True),
+        ("page_days", progress.DAYS_SQL, {"campaign": "practice_tips", "days": progress.DAYS}, True),
+        # the send charts: per minute while a campaign is active (all / one), per day otherwise
+        ("page_sends_per_minute_all", progress.PER_MINUTE_SQL,
+         {"since": ANCHOR - timedelta(minutes=progress.LIVE_MINUTES), "campaign": None}, True),
+        ("page_sends_per_minute_one", progress.PER_MINUTE_SQL,
+         {"since": ANCHOR - timedelta(minutes=progress.LIVE_MINUTES), "campaign": "practice_tips"}, True),
+        ("page_sends_per_day_all", progress.PER_DAY_ALL_SQL,
+         {"since": ANCHOR - timedelta(days=progress.HISTORY_DAYS)}, True),
+        ("page_sends_per_day_one", progress.PER_DAY_ONE_SQL, {"campaign": "practice_tips", "tz": "UTC"}, True),
+        ("view_sent_email_by_day", "select * from mail.sent_email where sent_at >= %(a)s and sent_at < %(b)s",
+         {"a": ANCHOR - timedelta(days=1), "b": ANCHOR}, True),
     ]
     for n, (defaults, sql) in sorted(doc_queries().items()):
         out.append((f"doc_q{n}", sql, defaults | {k: v for k, v in params.items() if k in defaults}, True))

@@ -1,19 +1,32 @@
-"""Write-path cost of the analytics indexes of migration 0004 (issue 16, item 5): what each costs per
-mint and per apply of a chunk of 100 emails.
+"""Write-path cost of the send log's indexes (issue 16, item 5): what the analytics indexes of
+migration 0004 (built by 0009) cost per mint and per apply of a chunk of 100 emails, and the schema
+before and after 0011, which dropped the ones that did not earn it.
 
-The statements are the engine's own (``lifecycle.mint`` with its event, ``send_log.save_batch`` +
-``assign_batch``, and ``send_log.mark_sent`` with its event), each chunk in the two transactions the
-store uses (mint + batch bytes; apply), timed from the client including the commit, over a send log
-of ``HISTORY`` rows (93% sent, 3% failed, 2% released, 1% cancelled, 1% pending; ~10 campaigns;
-two years; ``VACUUM ANALYZE``). Configurations:
+The statements are the engine's own: the lifecycle mint (``mint.allocate`` + ``mint.mint_keyed`` with
+its event + ``mint.save_batch_keyed``: one INSERT per row that already carries its batch key; on a
+tree without ``mint.sql``, or with ``--mint assign``, the older ``lifecycle.mint`` +
+``send_log.save_batch`` + ``assign_batch``: an INSERT and an UPDATE per row),
+and the apply (``send_log.mark_sent`` with its event), each chunk in the two transactions the store
+uses (mint + batch bytes; apply), timed from the client including the commit. The contact guard's
+reads and locks of the mint are left out: they touch no index of ``mail.send_log``. The send log has
+2,000,000 rows of history (``--quick``: 500,000; 93% sent, 3% failed, 2% released, 1% cancelled, 1% pending; ~10 campaigns; two
+years; ``VACUUM ANALYZE``). Schemas:
 
-* ``all``: the schema as migrated (0001 + 0004's indexes);
-* ``none``: without 0004's six new indexes and with 0001's plain ``(campaign, minted_at)`` index in
-  place of 0004's covering one;
-* ``none + <index>``: each 0004 index alone on top of ``none`` (its marginal cost).
+* ``before``: ``mail.send_log``'s indexes as migrated up to 0010 (read from a database migrated to
+  that version, so the definitions are the migrations' own);
+* ``after``: as migrated to the newest version (0011 dropped ``before - after``);
+* ``none``: ``after`` without any of 0004's analytics indexes (0001's plain ``(campaign,
+  minted_at)`` in place of the covering one): what the engine alone needs;
+* leave-one-out: ``before`` without one analytics index (the covering index: with 0001's plain one
+  instead), against ``before`` (paired, ABBA: with, without, without, with), i.e. what dropping that
+  index alone saves.
 
-Median ms per chunk over ``CHUNKS`` chunks; configurations run in rounds (all, none, all, none) so
-drift of a shared machine shows. ``python -m bench.write_path [--quick] [--dsn DSN]``. Not part of
+Median ms per chunk over 200 chunks (``--quick``: 60), and WAL bytes per chunk (every index entry written is
+WAL; deterministic where times are noisy, but the WAL of other sessions of the server is included:
+run it alone). Schemas run in rounds (before, after, none, before, after, none) so drift of a shared
+machine shows in the rounds; a ``CHECKPOINT`` after each change of indexes keeps the full-page
+images of a checkpoint that an index build started out of the measures.
+``python -m bench.write_path [--quick] [--mint auto|keyed|assign] [--dsn DSN]``; not part of
 ``make bench``.
 """
 
@@ -24,30 +37,25 @@ import os
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from bench.common import metric, scratch_database
+from bench.common import metric
+from mailflow.sendloop.keys import key_tag
+from mailflow.store.migrate import migrate
 from mailflow.store.sql import query
+from mailflow_dev import devenv
 
-#: 0004's indexes on mail.send_log: name -> definition (as 0004 builds them).
-ANALYTICS_INDEXES = {
-    "send_log_campaign_minted_idx": "create index send_log_campaign_minted_idx on mail.send_log (campaign, minted_at)"
-                                    " include (user_id, kind)",
-    "send_log_campaign_sent_idx": "create index send_log_campaign_sent_idx on mail.send_log (campaign, sent_at)"
-                                  " include (user_id, kind) where status = 'sent'",
-    "send_log_sent_idx": "create index send_log_sent_idx on mail.send_log (sent_at) include (user_id, campaign)"
-                         " where status = 'sent'",
-    "send_log_failed_idx": "create index send_log_failed_idx on mail.send_log (campaign, minted_at)"
-                           " include (user_id, kind, claimed_at, released_at, dead_lettered_at) where status = 'failed'",
-    "send_log_cancelled_idx": "create index send_log_cancelled_idx on mail.send_log (campaign, minted_at)"
-                              " include (user_id, kind) where status = 'cancelled'",
-    "send_log_user_idx": "create index send_log_user_idx on mail.send_log (user_id)",
-    "send_log_run_idx": "create index send_log_run_idx on mail.send_log (run_id, campaign) where run_id is not null",
-}
-PLAIN_MINTED = "create index send_log_campaign_minted_idx on mail.send_log (campaign, minted_at)"
+#: The schema "before": migrated up to this version (0011 dropped indexes).
+BEFORE_VERSION = 10
+#: 0004's analytics indexes on mail.send_log (as 0009 builds them), measured one by one.
+ANALYTICS_INDEXES = ("send_log_campaign_minted_cover_idx", "send_log_campaign_sent_idx", "send_log_sent_idx",
+                     "send_log_failed_idx", "send_log_cancelled_idx", "send_log_user_idx", "send_log_run_idx")
+COVER = "send_log_campaign_minted_cover_idx"
+PLAIN_MINTED = "CREATE INDEX send_log_campaign_minted_idx ON mail.send_log USING btree (campaign, minted_at)"
 
 HISTORY_SQL = """
 insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, claimed_at, sent_at, released_at,
@@ -65,28 +73,60 @@ from (select g, (g / 5) + 1 as u,
 """
 
 
+def _keyed_mint() -> bool:
+    """Whether this tree mints with ``mint.mint_keyed`` (one INSERT per row, key included)."""
+    try:
+        query("mint", "mint_keyed")
+    except (FileNotFoundError, KeyError):
+        return False
+    return True
+
+
 def _lsn(conn: psycopg.Connection) -> int:
     row = conn.execute("select pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
     assert row is not None
     return int(row[0])
 
 
-def _chunk(conn: psycopg.Connection, first_user: int, tag: str) -> tuple[float, float, int, int]:
+def _mint_keyed(conn: psycopg.Connection, who: dict[str, Any], users: range, tag: str) -> list[int]:
+    row = conn.execute(query("mint", "allocate"), {"n": len(users)}).fetchone()
+    assert row is not None
+    ids = [int(i) for i in row[0]]
+    key = f"wp-{tag}-{row[1]}"
+    page = [{"id": i, "user_id": u, "email": f"new{u}@example.com", "email_key": f"new{u}@example.com",
+             "context": {}, "idx": n} for n, (i, u) in enumerate(zip(ids, users, strict=True))]
+    got = conn.execute(query("mint", "mint_keyed"), who | {
+        "campaign": "first_practice", "page": Jsonb(page), "key": key,
+        "interval_start": None, "interval_end": None}).fetchall()
+    conn.execute(query("mint", "save_batch_keyed"), {"key": key, "campaign": "first_practice",
+                                                     "count": len(ids), "body": b"[]", "validation": "strict"})
+    assert len(got) == len(ids)
+    return ids
+
+
+def _mint_then_assign(conn: psycopg.Connection, who: dict[str, Any], users: range, tag: str) -> list[int]:
+    page = [{"user_id": u, "email": f"new{u}@example.com", "email_key": f"new{u}@example.com", "context": {}}
+            for u in users]
+    rows = conn.execute(query("lifecycle", "mint"), who | {
+        "campaign": "first_practice", "page": Jsonb(page), "interval_start": None, "interval_end": None}).fetchall()
+    ids = [int(r[0]) for r in rows]
+    saved = conn.execute(query("send_log", "save_batch"), {
+        "tag": key_tag("first_practice"), "campaign": "first_practice", "count": len(ids), "body": b"[]",
+        "validation": "strict"}).fetchone()
+    assert saved is not None
+    conn.execute(query("send_log", "assign_batch"), {"key": saved[0], "ids": ids, "idx": list(range(len(ids)))})
+    return ids
+
+
+def _chunk(conn: psycopg.Connection, first_user: int, tag: str,
+           mint: Callable[[psycopg.Connection, dict[str, Any], range, str], list[int]]) -> tuple[float, ...]:
     """Mint (+ batch bytes) then apply one chunk of 100 new users; (mint ms, apply ms, mint WAL
-    bytes, apply WAL bytes). WAL bytes are deterministic where times are noisy: every index entry
-    written is WAL; the WAL of other sessions of the server is included, so run it alone."""
+    bytes, apply WAL bytes)."""
     who = {"dag_id": "bench", "run_id": f"bench-{tag}", "task_id": "send"}
-    page = [{"user_id": u, "email": f"new{u}@example.com", "context": {}} for u in range(first_user, first_user + 100)]
     w0 = _lsn(conn)
     t0 = time.perf_counter()
     with conn.transaction():
-        rows = conn.execute(query("lifecycle", "mint"), who | {
-            "campaign": "first_practice", "page": Jsonb(page), "interval_start": None, "interval_end": None}).fetchall()
-        ids = [r[0] for r in rows]
-        key = f"wp-{tag}-{first_user}"
-        conn.execute(query("send_log", "save_batch"), {"key": key, "campaign": "first_practice",
-                                                       "count": len(ids), "body": b"[]"})
-        conn.execute(query("send_log", "assign_batch"), {"key": key, "ids": ids, "idx": list(range(len(ids)))})
+        ids = mint(conn, who, range(first_user, first_user + 100), tag)
     t1 = time.perf_counter()
     w1 = _lsn(conn)
     with conn.transaction():
@@ -98,91 +138,138 @@ def _chunk(conn: psycopg.Connection, first_user: int, tag: str) -> tuple[float, 
     return (t1 - t0) * 1000, (t2 - t1) * 1000, w1 - w0, w2 - w1
 
 
-def _measure(conn: psycopg.Connection, chunks: int, state: dict[str, int]) -> dict[str, float]:
-    tag = uuid.uuid4().hex[:6]
-    for _ in range(5):  # warm-up (caches, prepared statements)
-        _chunk(conn, state["next"], tag)
-        state["next"] += 100
-    mint, apply, mint_wal, apply_wal = [], [], [], []
-    for _ in range(chunks):
-        m, a, mw, aw = _chunk(conn, state["next"], tag)
-        state["next"] += 100
-        mint.append(m)
-        apply.append(a)
-        mint_wal.append(mw)
-        apply_wal.append(aw)
-    return {"mint_ms": statistics.median(mint), "apply_ms": statistics.median(apply),
-            "mint_wal": statistics.median(mint_wal), "apply_wal": statistics.median(apply_wal)}
+KEYS = ("mint_ms", "apply_ms", "mint_wal", "apply_wal")
 
 
-def _drop_all(conn: psycopg.Connection) -> None:
-    for name in ANALYTICS_INDEXES:
-        conn.execute(f"drop index if exists mail.{name}")
-    conn.execute(PLAIN_MINTED)
+class Bench:
+    def __init__(self, conn: psycopg.Connection, chunks: int, mint: str = "auto") -> None:
+        self.conn = conn
+        self.chunks = chunks
+        self.next_user = 10_000_000
+        keyed = _keyed_mint() if mint == "auto" else mint == "keyed"
+        self.mint = _mint_keyed if keyed else _mint_then_assign
+
+    def measure(self) -> dict[str, float]:
+        """Median per chunk of ``chunks`` chunks after 5 warm-up chunks."""
+        tag = uuid.uuid4().hex[:6]
+        samples: list[tuple[float, ...]] = []
+        for i in range(5 + self.chunks):
+            s = _chunk(self.conn, self.next_user, tag, self.mint)
+            self.next_user += 100
+            if i >= 5:
+                samples.append(s)
+        return {k: statistics.median(s[j] for s in samples) for j, k in enumerate(KEYS)}
+
+    def indexes(self) -> dict[str, str]:
+        """mail.send_log's indexes now: name -> definition (pg_get_indexdef)."""
+        return {r[0]: r[1] for r in self.conn.execute(
+            "select c.relname, pg_get_indexdef(i.indexrelid) from pg_index i join pg_class c on c.oid = i.indexrelid"
+            " where i.indrelid = 'mail.send_log'::regclass").fetchall()}
+
+    def set_indexes(self, wanted: dict[str, str]) -> None:
+        """Drop the indexes not in ``wanted``, build the missing ones (plain builds: the table is ours)."""
+        now = self.indexes()
+        for name in set(now) - set(wanted):
+            self.conn.execute(f"drop index mail.{name}")
+        for name in set(wanted) - set(now):
+            self.conn.execute(wanted[name])
+        self.conn.execute("analyze mail.send_log")
+        self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """A checkpoint now, so the next measure does not pay the full-page images of one that the
+        index builds' WAL would otherwise start in the middle of it (needs superuser or pg_checkpoint)."""
+        try:
+            self.conn.execute("checkpoint")
+        except psycopg.errors.InsufficientPrivilege:
+            pass
 
 
-def _create_all(conn: psycopg.Connection) -> None:
-    conn.execute("drop index if exists mail.send_log_campaign_minted_idx")
-    for ddl in ANALYTICS_INDEXES.values():
-        conn.execute(ddl.replace("create index", "create index if not exists"))
+def _schemas(dsn: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(indexes before, indexes after, migrations after BEFORE_VERSION) from a throw-away database."""
+    name = f"wp_schema_{uuid.uuid4().hex[:6]}"
+    sdsn = devenv.create_database(dsn, name, exist_ok=False)
+    try:
+        with psycopg.connect(sdsn, autocommit=True) as conn:
+            migrate(conn, target=BEFORE_VERSION)
+            b = Bench(conn, 0)
+            before = b.indexes()
+            applied = migrate(conn)
+            return before, b.indexes(), applied
+    finally:
+        devenv.drop_database(dsn, name)
 
 
-def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
+def run(dsn: str, quick: bool = False, mint: str = "auto") -> list[dict[str, Any]]:
     n = 500_000 if quick else 2_000_000
     chunks = 60 if quick else 200
+    before, after, applied = _schemas(dsn)
+    none = {k: v for k, v in after.items() if k not in ANALYTICS_INDEXES}
+    none["send_log_campaign_minted_idx"] = PLAIN_MINTED
     out: list[dict[str, Any]] = []
-    with scratch_database(dsn, "writes", app_schema=False) as sdsn, psycopg.connect(sdsn, autocommit=True) as conn:
-        t0 = time.monotonic()
-        conn.execute(HISTORY_SQL, {"n": n})
-        conn.execute("vacuum analyze mail.send_log")
-        present = {r[0] for r in conn.execute("select indexname from pg_indexes where schemaname = 'mail'"
-                                              " and tablename = 'send_log'").fetchall()}
-        _create_all(conn)  # the schema as migrated, whichever migration built them
-        out.append(metric("write_path_history_load_seconds", time.monotonic() - t0, "s", history_rows=n,
-                          indexes_before=sorted(present)))
-        state = {"next": 10_000_000}
-        rounds: dict[str, list[dict[str, float]]] = {"all": [], "none": []}
-        for label in ("all", "none", "all", "none"):
-            if label == "all":
-                _create_all(conn)
-            else:
-                _drop_all(conn)
-            rounds[label].append(_measure(conn, chunks, state))
-        keys = ("mint_ms", "apply_ms", "mint_wal", "apply_wal")
-        base = {k: statistics.mean(r[k] for r in rounds["none"]) for k in keys}
-        full = {k: statistics.mean(r[k] for r in rounds["all"]) for k in keys}
-        for k in keys:
-            what, unit = k.split("_")
-            unit = "ms per chunk of 100 (median)" if unit == "ms" else "WAL bytes per chunk of 100 (median)"
-            out.append(metric(f"write_path_{k}_all_indexes", full[k], unit,
-                              rounds=[round(r[k], 2) for r in rounds["all"]], history_rows=n, chunks=chunks))
-            out.append(metric(f"write_path_{k}_without_0004", base[k], unit,
-                              rounds=[round(r[k], 2) for r in rounds["none"]], history_rows=n, chunks=chunks))
-        _drop_all(conn)
-        for name, ddl in ANALYTICS_INDEXES.items():
-            before = _measure(conn, chunks, state)  # paired: 'none' right before, so drift cancels
-            if name == "send_log_campaign_minted_idx":
-                conn.execute("drop index mail.send_log_campaign_minted_idx")
-            conn.execute(ddl)
-            r = _measure(conn, chunks, state)
-            size = conn.execute("select pg_relation_size(%s::regclass)", (f"mail.{name}",)).fetchone()[0]  # type: ignore[index]
-            conn.execute(f"drop index mail.{name}")
-            if name == "send_log_campaign_minted_idx":
-                conn.execute(PLAIN_MINTED)
-            for k in ("mint_ms", "apply_ms", "mint_wal", "apply_wal"):
-                unit = "ms" if k.endswith("ms") else "WAL bytes"
-                out.append(metric(f"write_path_{k}_marginal {name}", r[k] - before[k],
-                                  f"{unit} per chunk of 100 over 'none' (paired)", measured=round(r[k], 2),
-                                  none=round(before[k], 2), index_bytes=size))
+    name = f"wp_{uuid.uuid4().hex[:6]}"
+    sdsn = devenv.create_database(dsn, name, exist_ok=False)
+    try:
+        with psycopg.connect(sdsn, autocommit=True) as conn:
+            migrate(conn)
+            b = Bench(conn, chunks, mint)
+            t0 = time.monotonic()
+            conn.execute(HISTORY_SQL, {"n": n})
+            conn.execute("vacuum analyze mail.send_log")
+            b.checkpoint()
+            common: dict[str, Any] = {"history_rows": n, "chunks": chunks, "mint": b.mint.__name__.lstrip("_")}
+            out.append(metric("write_path_history_load_seconds", time.monotonic() - t0, "s", **common,
+                              migrations_after_before=applied, dropped=sorted(set(before) - set(after)),
+                              added=sorted(set(after) - set(before)), indexes_after=sorted(after)))
+            schemas = {"before": before, "after": after, "none": none}
+            rounds: dict[str, list[dict[str, float]]] = {k: [] for k in schemas}
+            for label in ("before", "after", "none", "before", "after", "none"):
+                b.set_indexes(schemas[label])
+                rounds[label].append(b.measure())
+            for label in schemas:
+                for k in KEYS:
+                    unit = "ms per chunk of 100 (median)" if k.endswith("ms") else "WAL bytes per chunk of 100 (median)"
+                    out.append(metric(f"write_path_{k}_{label}", statistics.mean(r[k] for r in rounds[label]), unit,
+                                      rounds=[round(r[k], 2) for r in rounds[label]], indexes=len(schemas[label]),
+                                      **common))
+            b.set_indexes(before)
+            for index in ANALYTICS_INDEXES:
+                if index not in before:
+                    continue
+                without = {k: v for k, v in before.items() if k != index}
+                if index == COVER:
+                    without["send_log_campaign_minted_idx"] = PLAIN_MINTED
+                size = conn.execute("select pg_relation_size(%s::regclass)", (f"mail.{index}",)).fetchone()
+                w1 = b.measure()
+                b.set_indexes(without)
+                o1, o2 = b.measure(), b.measure()
+                b.set_indexes(before)
+                w2 = b.measure()
+                for k in KEYS:
+                    with_, without_ = (w1[k] + w2[k]) / 2, (o1[k] + o2[k]) / 2
+                    unit = "ms" if k.endswith("ms") else "WAL bytes"
+                    out.append(metric(f"write_path_{k}_marginal {index}", with_ - without_,
+                                      f"{unit} per chunk of 100 it adds to 'before' (paired, ABBA)",
+                                      with_index=round(with_, 2), without=round(without_, 2),
+                                      runs=[round(x[k], 2) for x in (w1, o1, o2, w2)],
+                                      index_bytes=size[0] if size else None, dropped_by_0011=index not in after,
+                                      **common))
+    finally:
+        devenv.drop_database(dsn, name)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"))
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"),
+                   help="the server (scratch databases are created and dropped there)")
+    p.add_argument("--quick", action="store_true", help="500,000 rows of history, 60 chunks per measure")
+    p.add_argument("--mint", choices=("auto", "keyed", "assign"), default="auto",
+                   help="keyed: mint.mint_keyed (one INSERT per row); assign: lifecycle.mint + assign_batch "
+                        "(an INSERT and an UPDATE per row); auto: keyed when this tree has mint.sql")
     args = p.parse_args(argv)
-    for m in run(args.dsn, quick=args.quick):
+    dsn = args.dsn or devenv.embedded_dsn(devenv.STATE / "pgdata-bench")
+    for m in run(dsn, quick=args.quick, mint=args.mint):
         print(f"{m['name']}: {m['value']:.4g} {m['unit']} {m['params']}")
     return 0
 

@@ -42,7 +42,7 @@ from mailflow.store.policy import normalise_address
 from mailflow_dev import devenv
 from mailflow_dev.demo.loader import load_demo_data
 
-VIEWS = ("campaign_daily", "campaign_progress", "email_status", "user_email_history")
+VIEWS = ("campaign_daily", "campaign_progress", "email_status", "sent_email", "user_email_history")
 
 
 def at(day: int, hour: int, minute: int = 0) -> datetime:
@@ -247,6 +247,19 @@ def test_email_status_is_one_row_per_email(db: psycopg.Connection, handmade: dic
     assert db.execute("select send_log_id from mail.email_status where rolled_back").fetchall() == [(handmade["r3"].id,)]
     assert db.execute("select send_log_id from mail.email_status where dead_lettered order by 1").fetchall() == [
         (handmade["r3"].id,), (handmade["r9"].id,)]
+
+
+def test_sent_email_is_one_row_per_sent_email(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
+    cols, rows = fetch(db, "select * from mail.sent_email order by send_log_id")
+    assert cols == ["send_log_id", "campaign", "kind", "user_id", "email", "sent_at", "provider_message_id"]
+    assert rows == [(p.id, p.campaign, p.kind, p.user_id, p.email, p.sent, p.pid)
+                    for p in sorted(handmade.values(), key=lambda p: p.id) if p.status == "sent"]
+    # filtered by time (each campaign: one range of send_log_campaign_sent_idx) and by campaign
+    assert db.execute("select send_log_id from mail.sent_email where sent_at >= %s and sent_at < %s order by 1",
+                      (at(10, 0), at(11, 0))).fetchall() == [(handmade["r6"].id,)]
+    assert db.execute("select count(*) from mail.sent_email where campaign = 'lc_a'").fetchone() == (2,)
+    db.execute("truncate mail.send_event, mail.send_log restart identity cascade")
+    assert db.execute("select count(*) from mail.sent_email").fetchone() == (0,)
 
 
 # -- the read-only role ----------------------------------------------------------------------------

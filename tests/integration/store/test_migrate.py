@@ -83,6 +83,70 @@ def test_migrate_twice_and_require_current(fresh: str) -> None:
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
+#: mail.send_log's indexes at head, exactly (pg_get_indexdef): each one is a write on every mint and
+#: apply of a chunk, so a new one is a decision (docs/performance.md, "Write path"); 0011 dropped
+#: send_log_sent_idx (its readers use mail.sent_email and send_log_campaign_sent_idx).
+SEND_LOG_INDEXES = {
+    "send_log_pkey": "CREATE UNIQUE INDEX send_log_pkey ON mail.send_log USING btree (id)",
+    "send_log_user_campaign_uq": "CREATE UNIQUE INDEX send_log_user_campaign_uq ON mail.send_log USING btree"
+                                 " (user_id, campaign) WHERE (released_at IS NULL)",
+    "send_log_provider_id_uq": "CREATE UNIQUE INDEX send_log_provider_id_uq ON mail.send_log USING btree"
+                               " (provider_message_id) WHERE (provider_message_id IS NOT NULL)",
+    "send_log_batch_idx": "CREATE INDEX send_log_batch_idx ON mail.send_log USING btree (idempotency_key, batch_index)"
+                          " WHERE (idempotency_key IS NOT NULL)",
+    "send_log_open_idx": "CREATE INDEX send_log_open_idx ON mail.send_log USING btree (status, claimed_at)"
+                         " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text]))",
+    "send_log_released_idx": "CREATE INDEX send_log_released_idx ON mail.send_log USING btree (user_id, campaign)"
+                             " WHERE (released_at IS NOT NULL)",
+    "send_log_dead_letter_idx": "CREATE INDEX send_log_dead_letter_idx ON mail.send_log USING btree (dead_lettered_at)"
+                                " WHERE (dead_lettered_at IS NOT NULL)",
+    "send_log_pending_due_idx": "CREATE INDEX send_log_pending_due_idx ON mail.send_log USING btree (scheduled_at)"
+                                " WHERE (status = 'pending'::text)",
+    "send_log_campaign_open_idx": "CREATE INDEX send_log_campaign_open_idx ON mail.send_log USING btree"
+                                  " (campaign, scheduled_at) WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text]))",
+    "send_log_campaign_minted_cover_idx": "CREATE INDEX send_log_campaign_minted_cover_idx ON mail.send_log USING btree"
+                                          " (campaign, minted_at) INCLUDE (user_id, kind)",
+    "send_log_campaign_sent_idx": "CREATE INDEX send_log_campaign_sent_idx ON mail.send_log USING btree"
+                                  " (campaign, sent_at) INCLUDE (user_id, kind) WHERE (status = 'sent'::text)",
+    "send_log_failed_idx": "CREATE INDEX send_log_failed_idx ON mail.send_log USING btree (campaign, minted_at)"
+                           " INCLUDE (user_id, kind, claimed_at, released_at, dead_lettered_at)"
+                           " WHERE (status = 'failed'::text)",
+    "send_log_cancelled_idx": "CREATE INDEX send_log_cancelled_idx ON mail.send_log USING btree (campaign, minted_at)"
+                              " INCLUDE (user_id, kind) WHERE (status = 'cancelled'::text)",
+    "send_log_user_idx": "CREATE INDEX send_log_user_idx ON mail.send_log USING btree (user_id)",
+    "send_log_run_idx": "CREATE INDEX send_log_run_idx ON mail.send_log USING btree (run_id, campaign)"
+                        " WHERE (run_id IS NOT NULL)",
+    "send_log_contact_idx": "CREATE INDEX send_log_contact_idx ON mail.send_log USING btree (user_id, sent_at)"
+                            " INCLUDE (status, scheduled_at, minted_at)"
+                            " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
+}
+
+
+def test_the_send_log_has_exactly_its_indexes_after_migrate(fresh: str) -> None:
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=10)
+        assert "send_log_sent_idx" in _indexes(conn)  # built by 0009
+        assert migrate(conn) == [m.name for m in migration_files() if m.version > 10]
+        idx = _indexes(conn)
+        assert {name: definition for name, (_, definition) in idx.items()} == SEND_LOG_INDEXES
+        assert all(valid for valid, _ in idx.values())
+        # 0011 is resumable: run again from its start (its view is replaced, the drop finds nothing)
+        conn.execute("delete from mail.schema_migrations where version = 11")
+        assert migrate(conn) == ["0011_write_path_indexes.sql"]
+        assert set(_indexes(conn)) == set(SEND_LOG_INDEXES)
+        assert conn.execute("select count(*) from mail.sent_email").fetchone() == (0,)
+
+
+def test_0011_drops_concurrently_outside_a_transaction() -> None:
+    m = {m.version: m for m in migration_files()}[11]
+    assert m.transactional is False
+    statements = m.statements()
+    assert statements[0].lower().startswith("create or replace view mail.sent_email as")
+    assert statements[-1] == "drop index concurrently if exists mail.send_log_sent_idx"
+    assert all(s.lower().startswith(("create or replace view", "comment on", "drop index concurrently if exists"))
+               for s in statements)
+
+
 def test_an_interrupted_concurrent_build_is_detected_and_rebuilt(fresh: str) -> None:
     with psycopg.connect(fresh, autocommit=True) as conn:
         migrate(conn)

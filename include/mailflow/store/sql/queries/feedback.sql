@@ -2,19 +2,20 @@
 -- Sent emails of the lookback window whose delivery status should be asked for now: never checked
 -- (and sent at least min_age ago), or not final, checked fewer than max_checks times, and last
 -- checked more than recheck * 2^(checks - 1) ago (exponential spacing). Never-checked first, then
--- the longest-waiting. The window scan uses send_log_sent_idx (sent_at, where status = 'sent').
+-- the longest-waiting. The window is read through mail.sent_email (0011): one range of
+-- send_log_campaign_sent_idx per campaign (the send log has no sent_at index of its own).
 -- (Its rows always have a provider id: constraint send_log_sent_has_provider_id.)
-select l.id, l.email, l.provider_message_id, coalesce(ds.checks, 0) as checks
-from mail.send_log l
-left join mail.delivery_status ds on ds.send_log_id = l.id
-where l.status = 'sent' and l.provider_message_id is not null
+select l.send_log_id as id, l.email, l.provider_message_id, coalesce(ds.checks, 0) as checks
+from mail.sent_email l
+left join mail.delivery_status ds on ds.send_log_id = l.send_log_id
+where l.provider_message_id is not null
   and l.sent_at >= now() - make_interval(secs => %(lookback_seconds)s)
   and l.sent_at <= now() - make_interval(secs => %(min_age_seconds)s)
   and (ds.send_log_id is null
        or (not ds.final
            and ds.checks < %(max_checks)s
            and ds.checked_at <= now() - make_interval(secs => %(recheck_seconds)s * power(2, ds.checks - 1))))
-order by ds.checked_at nulls first, l.sent_at, l.id
+order by ds.checked_at nulls first, l.sent_at, l.send_log_id
 limit %(limit)s
 
 -- name: record_check
