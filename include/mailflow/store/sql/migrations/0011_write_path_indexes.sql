@@ -9,7 +9,7 @@
 -- sent, not a HOT update) does it again. Of 0004's seven indexes (0009):
 --
 -- * send_log_sent_idx (sent_at) INCLUDE (user_id, campaign) WHERE status = 'sent': dropped. The
---   largest per-apply cost of them (~11 kB of WAL per apply, 221 MB at 5M rows) for entries that
+--   largest per-apply cost of them (~12-13 kB of WAL per apply, 221 MB at 5M rows) for entries that
 --   send_log_campaign_sent_idx holds too (same rows, keyed by campaign first). Its readers (docs Q1
 --   and Q10, the progress page's send charts, the deliverability poll's window) read the new view
 --   mail.sent_email below instead: one range of send_log_campaign_sent_idx per campaign (the
@@ -19,10 +19,10 @@
 -- * kept: send_log_campaign_minted_cover_idx, send_log_campaign_sent_idx (the counting views:
 --   index-only per campaign), send_log_failed_idx and send_log_cancelled_idx (partial on states the
 --   hot path rarely writes: ~0 per chunk), send_log_user_idx (the only index with every row of a
---   user: a user's history, mail.email_status by user, docs Q3; ~7 kB per mint and per apply) and
+--   user: a user's history, mail.email_status by user, docs Q3; ~6-7 kB per mint and per apply) and
 --   send_log_run_idx (the only way to a run's rows: docs Q3 and Q4, and the engine's once-per-run
 --   load of the run's rejected addresses, mint.rejected_of_run, a 0.5 s Seq Scan at 5M rows
---   without it; ~9 kB per mint and per apply).
+--   without it; ~10 kB per mint and per apply).
 
 -- Sent emails, by time: the rows of send_log_sent_idx, found per campaign. The campaign names come
 -- from a skip scan of send_log_campaign_sent_idx (one probe per name); unnest() of their array is
