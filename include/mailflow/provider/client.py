@@ -164,12 +164,16 @@ class ResendClient:
         start = self.clock.monotonic() + (float(peek()) if peek is not None else 0.0)
         return None if start > deadline else start
 
-    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Outcome:
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None, *,
+                   claim_at_send: bool = False) -> Outcome:
         """Send one prepared batch; return what is known about its delivery.
 
         :param deadline: ``clock.monotonic()`` value after which no new wait or retry starts.
         :param slot: a slot from :meth:`reserve_slot`: the first attempt starts then, whatever the
             deadline (the budget was checked when the slot was reserved, before minting).
+        :param claim_at_send: claim the first attempt's slot now, here, and start it then whatever
+            the deadline (the budget was checked before minting with :meth:`peek_slot`): the
+            pipelined engine's way, so no hand-over between threads can make the slot late.
         :returns: :class:`Accepted` (reconciled by index), :class:`NotSent` (proven not processed;
             always with ``stop_run``), :class:`Refused` (strict validation refused the whole
             request; nothing processed) or :class:`Unknown` (maybe processed). Never raises for HTTP
@@ -192,7 +196,9 @@ class ResendClient:
             return NotSent(reason=reason, stop_run=stop, fatal=fatal)
 
         for attempt in range(1, self.policy.max_attempts + 1):
-            if attempt == 1 and slot is not None and self.clock.monotonic() - slot <= self.late_tolerance():
+            if attempt == 1 and claim_at_send:
+                wait = self.pacer.claim()  # the slot is claimed before any wait or I/O; no budget check
+            elif attempt == 1 and slot is not None and self.clock.monotonic() - slot <= self.late_tolerance():
                 wait = max(slot - self.clock.monotonic(), 0.0)
             elif attempt == 1 and slot is not None:
                 # The reserved slot passed while the chunk was being prepared. Starting now would

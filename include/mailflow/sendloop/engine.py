@@ -101,7 +101,14 @@ def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Seque
     return outcome, total, batch
 
 
+#: ``slot`` value for :meth:`ChunkPipeline.submit`: claim the request slot on the sender thread
+#: right before the request (``send_batch(..., claim_at_send=True)``), whatever the budget.
+CLAIM_AT_SEND = float("-inf")
+
+
 def _send(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
+    if slot == CLAIM_AT_SEND:
+        return provider.send_batch(batch, deadline, claim_at_send=True)  # type: ignore[call-arg]
     if slot is None or not hasattr(provider, "reserve_slot"):  # a double without slots: no slot to pass
         return provider.send_batch(batch, deadline)
     return provider.send_batch(batch, deadline, slot)

@@ -59,7 +59,7 @@ def _install_kill(plan: Plan) -> None:
         PostgresStore.apply = apply  # type: ignore[method-assign]
     orig_send = ResendClient.send_batch
 
-    def send_batch(self: Any, batch: Any, deadline: float, slot: float | None = None) -> Any:
+    def send_batch(self: Any, batch: Any, deadline: float, slot: float | None = None, **kw: Any) -> Any:
         n = state["sends"]
         state["sends"] += 1
         if n == plan.chunk:
@@ -69,7 +69,7 @@ def _install_kill(plan: Plan) -> None:
                 threading.Timer(plan.delay, _die).start()
             if plan.point == "before_apply":
                 state["armed"] = True
-        return orig_send(self, batch, deadline, slot)
+        return orig_send(self, batch, deadline, slot, **kw)
     ResendClient.send_batch = send_batch  # type: ignore[method-assign]
 
 

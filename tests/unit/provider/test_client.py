@@ -292,6 +292,28 @@ def test_reserve_slot_past_the_deadline_is_none() -> None:
     assert rig.requests == []
 
 
+def test_peek_slot_predicts_the_next_slot_without_claiming_it() -> None:
+    rig = Rig(rps=0.1)  # slots 12.5 s apart
+    assert rig.client.peek_slot(deadline=5.0) == 0.0
+    assert rig.client.peek_slot(deadline=5.0) == 0.0  # nothing was claimed
+    assert rig.client.reserve_slot(deadline=5.0) == 0.0
+    assert rig.client.peek_slot(deadline=20.0) == pytest.approx(12.5)
+    assert rig.client.peek_slot(deadline=5.0) is None  # the next slot starts after the budget
+    assert rig.requests == []
+
+
+def test_claim_at_send_claims_the_slot_then_and_ignores_the_budget_for_the_first_attempt() -> None:
+    # the pipelined engine checked the budget with peek_slot before minting; the sender claims the
+    # slot right before the request and never abandons a minted chunk for the budget
+    rig = Rig(httpx.Response(200, json=OK), httpx.Response(200, json=OK), rps=0.1)
+    rig.client.reserve_slot(deadline=100.0)  # another sender took the slot at 0; the next is at 12.5
+    out = rig.client.send_batch(BATCH, 5.0, claim_at_send=True)
+    assert isinstance(out, Accepted) and len(rig.requests) == 1
+    assert rig.clock.sleeps == [pytest.approx(12.5)]
+    assert rig.client.stats["late_slots"] == 0
+    assert rig.client.peek_slot(deadline=100.0) == pytest.approx(25.0)  # that slot was claimed by the send
+
+
 # -- 4xx: proven not processed ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("status,name,message,kind,fix", [

@@ -2,9 +2,8 @@
 -- the deliverability_feedback DAG: GET /emails/{id} -> last_event), so an email is re-polled a
 -- bounded number of times and never after a final event. Suppressions themselves live in
 -- mail.suppression (0001): one-click unsubscribes by user, bounces and complaints by address.
--- The poll's window over sent emails by sent_at used send_log_sent_idx (0004); since 0011 it reads
--- mail.sent_email (send_log_campaign_sent_idx per campaign). Nothing here depends on either for
--- correctness. Every timestamp is timestamptz (stored in UTC).
+-- The poll's window over sent emails by sent_at uses send_log_sent_idx (0004); nothing here
+-- depends on 0004 for correctness. Every timestamp is timestamptz (stored in UTC).
 
 create table mail.delivery_status (
     send_log_id         bigint      primary key references mail.send_log (id),
