@@ -212,6 +212,7 @@ class ResendClient:
                     return give_up(f"time budget reached before attempt {attempt} ({last})", stop="time budget")
             self.clock.sleep(wait)
             self.stats["requests"] += 1
+            started = self.clock.monotonic()
             try:
                 resp = self.http.post("/emails/batch", content=batch.body, headers=headers)
             except httpx.ConnectError as exc:  # nothing was written: certainly not processed
@@ -223,7 +224,7 @@ class ResendClient:
                     maybe_delivered = True
                 last = f"{type(exc).__name__}: {exc or 'no response'}"
             else:
-                self.pacer.observe(resp.headers)
+                self.pacer.observe(resp.headers, since_start=self.clock.monotonic() - started)
                 status = resp.status_code
                 name, message = _error_fields(resp)
                 if 200 <= status < 300:

@@ -20,10 +20,13 @@ from that row, so a process that starts now paces at the learned rate from its f
 four processes on four workers share one cap. :class:`LocalPacer` is the in-process equivalent for
 a single sender (tests, tools).
 
-``ratelimit-remaining: 0`` holds the schedule for ``min(ratelimit-reset, 1 / limit)`` seconds: the
-header's reset is whole seconds (Resend, IETF RateLimit fields), and in a paced stream the oldest
-request of a full window leaves it within about one slot at the full cap; waiting the whole reset
-would halve the rate at a target fraction near 1. A real overshoot answers 429, which waits
+``ratelimit-remaining: 0`` holds the schedule until ``min(ratelimit-reset, 1 / limit)`` seconds after
+the START of the request that saw it (the window was counted when it arrived): the header's reset
+is whole seconds (Resend, IETF RateLimit fields), and in a paced stream the oldest request of a
+full window leaves it within about one slot at the full cap; waiting the whole reset would halve
+the rate at a target fraction near 1. Counted from the response instead, the hold added the
+request's latency to every full window: at 0.95 ten requests span 945 ms, so every window is full,
+and 1M-user runs lost a tenth of their slots to it (issue 16). A real overshoot answers 429, which waits
 Retry-After and lowers the shared rate.
 """
 
@@ -61,8 +64,9 @@ class Pacer(Protocol):
         before its next request, and the shared rate is lowered (see the module docstring)."""
         ...
 
-    def observe(self, headers: Mapping[str, str]) -> None:
-        """Learn from the provider's ``ratelimit-*`` response headers."""
+    def observe(self, headers: Mapping[str, str], since_start: float = 0.0) -> None:
+        """Learn from the provider's ``ratelimit-*`` response headers of a request that started
+        ``since_start`` seconds ago (the ``ratelimit-remaining: 0`` hold counts from its start)."""
         ...
 
 
@@ -163,7 +167,7 @@ class PostgresPacer:
                                {"account": self.account, "seconds": float(seconds), "step": PENALTY_STEP,
                                 "max_penalty": MAX_PENALTY, "recovery": PENALTY_RECOVERY_SECONDS})
 
-    def observe(self, headers: Mapping[str, str]) -> None:
+    def observe(self, headers: Mapping[str, str], since_start: float = 0.0) -> None:
         limit = parse_limit(headers)
         if limit is not None and limit != self.learned_limit:
             if limit < self.configured:
@@ -175,9 +179,10 @@ class PostgresPacer:
             self.requests_per_second = min(self.configured, limit)
             self.spacing = spacing_for(self.requests_per_second, self.target_fraction)
         hold = remaining_zero_hold(headers, self.learned_limit or self.requests_per_second)
-        if hold is not None:
+        if hold is not None and hold > since_start:
             with self._lock:
-                self._db().execute(query("pacing", "push_back"), {"account": self.account, "seconds": hold})
+                self._db().execute(query("pacing", "push_back"), {"account": self.account,
+                                                                  "seconds": hold - since_start})
 
     def learned(self) -> dict[str, object] | None:
         """The account's row: ``limit_per_second`` (requests/s or None), ``penalty_now`` (0-0.5),
@@ -245,7 +250,7 @@ class LocalPacer:
                 self._penalty = min(MAX_PENALTY, self.penalty_now() + PENALTY_STEP)
                 self._penalty_at = now
 
-    def observe(self, headers: Mapping[str, str]) -> None:
+    def observe(self, headers: Mapping[str, str], since_start: float = 0.0) -> None:
         limit = parse_limit(headers)
         if limit is not None and limit != self.learned_limit:
             if limit < self.configured:
@@ -255,5 +260,5 @@ class LocalPacer:
             self.requests_per_second = min(self.configured, limit)
             self.spacing = spacing_for(self.requests_per_second, self.target_fraction, self.penalty_now())
         hold = remaining_zero_hold(headers, self.learned_limit or self.requests_per_second)
-        if hold is not None:
-            self._hold(hold)
+        if hold is not None and hold > since_start:
+            self._hold(hold - since_start)

@@ -104,7 +104,7 @@ def run_lifecycle(
             window = campaign.window(interval)
             cooldown_since = interval.end - campaign.cooldown
             try:
-                if state.stop in (None, "time budget") and clock.monotonic() >= deadline:
+                if state.stop in (None, "time budget") and not _can_start(provider, clock, deadline):
                     # the budget will not start it: no snapshot (at 1M users one costs up to
                     # seconds past a budget already spent), so its audience is not counted
                     summary.stopped = state.stop = "time budget"
@@ -138,6 +138,14 @@ def run_lifecycle(
     if state.fatal:
         raise SendError("; ".join(state.fatal), summaries)
     return summaries
+
+
+def _can_start(provider: BatchProvider, clock: Clock, deadline: float) -> bool:
+    """Whether a campaign could still send a chunk within the budget: the clock is before the
+    deadline and, for a provider that predicts its slots, the next slot starts before it."""
+    if clock.monotonic() >= deadline:
+        return False
+    return not callable(getattr(provider, "peek_slot", None)) or peek_slot(provider, deadline) is not None
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ KEY = "re_test_emulator"
 class BlindPacer(LocalPacer):
     """A pacer that ignores ratelimit-* headers, so the provider's 429 path is exercised."""
 
-    def observe(self, headers) -> None:
+    def observe(self, headers, since_start: float = 0.0) -> None:
         return None
 
 

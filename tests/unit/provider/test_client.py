@@ -421,6 +421,30 @@ def test_2xx_that_does_not_add_up_is_unknown() -> None:
 
 # -- pacing --------------------------------------------------------------------------------------
 
+def test_ratelimit_remaining_zero_hold_counts_from_the_start_of_the_request_that_saw_it() -> None:
+    # the window was counted when the request arrived: a response 0.4 s later holds the next start
+    # until 1 s after that request started (1 / limit), not 1 s after the response (issue 16: at
+    # 0.95 every window is full, and the latency was added to every one of them)
+    headers = {"ratelimit-limit": "1", "ratelimit-remaining": "0", "ratelimit-reset": "3"}
+    rig = Rig(httpx.Response(200, json=OK, headers=headers), httpx.Response(200, json=OK), rps=1.0)
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        rig.clock.advance(0.4)
+        return httpx.Response(200, json=OK, headers=headers)
+    rig.script.steps[0] = slow
+    assert isinstance(rig.send(), Accepted)
+    assert isinstance(rig.send(), Accepted)
+    # the next slot at the configured spacing (1 / (1 x 0.8) = 1.25 s) is later than the hold anyway;
+    # at the full cap the hold alone decides: the start at 1.0 s, i.e. 0.6 s after the response
+    assert rig.clock.sleeps == [0.0, pytest.approx(0.85)]
+    pacer = LocalPacer(10, 1.0, clock=rig.clock)
+    pacer.claim()
+    t = rig.clock.monotonic()
+    pacer.observe({"ratelimit-limit": "10", "ratelimit-remaining": "0", "ratelimit-reset": "1"}, since_start=0.06)
+    assert pacer.claim() == pytest.approx(0.1)  # the spacing (100 ms) is later than the 40 ms left of the hold
+    assert rig.clock.monotonic() == t
+
+
 def test_ratelimit_remaining_zero_holds_the_local_pacer_one_slot_at_the_full_cap() -> None:
     # remaining 0 at a learned limit of 1/s: hold min(ratelimit-reset 3 s, 1 / limit) = 1 s
     headers = {"ratelimit-limit": "1", "ratelimit-remaining": "0", "ratelimit-reset": "3"}
