@@ -10,11 +10,13 @@ compared with a 100 ms request slot (the provider's 10 requests/s cap) and with 
 loop (one INSERT and one UPDATE per email, each its own transaction, rendering one email at a time)
 over the rest of the same audience in the same run.
 
-Per chunk = the time between two consecutive provider calls. The headline runs the engine as the
-Airflow task does (``pipelined=True`` with an ``apply_store`` on a second connection: the sender
-thread applies chunk N's answer while the caller pages, guards, mints, renders and stores chunk
-N+1); ``pipeline_ms_per_chunk_p50_unpipelined`` is the same work one step after the other (apply
-of one chunk + page + mint + render + store of the next). The audience snapshot the engine takes once per campaign
+Per chunk = the time between two consecutive provider calls. The headline is the serial work per
+chunk, one step after the other (apply of one chunk + page + guard + mint + render + store of the
+next). ``..._pipelined_instant_provider`` runs the engine as the Airflow task does
+(``pipelined=True`` with an ``apply_store`` on a second connection: the sender thread applies
+chunk N's answer while the caller prepares N+1); with a provider that answers at once there is no
+request to hide work behind, so it shows the two connections contending for the machine, not a
+saving (the end-to-end suite shows the saving). The audience snapshot the engine takes once per campaign
 (``open_audience``) is not per-chunk work: it is reported separately and left out of the mean.
 """
 
@@ -140,9 +142,11 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
     interval = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)
     with scratch_database(dsn, "pipeline") as sdsn:
         loaded = population.load(sdsn, users, log=lambda *_: None)
-        b = batched(sdsn, interval, chunks)
-        serial = batched(sdsn, interval, chunks, pipelined=False)
-        alt = batched(sdsn, interval, chunks // 2, prepare_threshold=None)
+        # the headline is the serial work per chunk (one step after the other): with an instant
+        # provider, pipelining can only show how the two connections contend for 2 cores
+        b = batched(sdsn, interval, chunks, pipelined=False)
+        piped = batched(sdsn, interval, chunks)
+        alt = batched(sdsn, interval, chunks // 2, prepare_threshold=None, pipelined=False)
         n = naive_per_row(sdsn, interval, naive_emails)
     params = dict(chunks=b["chunks"], emails=b["emails"], p95_ms=round(b["p95_ms"], 2),
                   breakdown_ms_per_chunk=b["breakdown_ms_per_chunk"], campaigns=b["campaigns"],
@@ -152,8 +156,9 @@ def run(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
     return [
         metric("pipeline_ms_per_chunk_p50", b["p50_ms"], "ms per chunk of 100", f"<= {TARGET_MS:g}",
                b["p50_ms"] <= TARGET_MS, **params),
-        metric("pipeline_ms_per_chunk_p50_unpipelined", serial["p50_ms"], "ms per chunk of 100 (one step after the other)",
-               None, None, chunks=serial["chunks"], breakdown_ms_per_chunk=serial["breakdown_ms_per_chunk"]),
+        metric("pipeline_ms_per_chunk_p50_pipelined_instant_provider", piped["p50_ms"],
+               "ms between provider calls (pipelined, apply on the sender thread, instant provider)", None, None,
+               chunks=piped["chunks"], breakdown_ms_per_chunk=piped["breakdown_ms_per_chunk"]),
         metric("pipeline_ms_per_chunk_mean", b["mean_ms"], "ms per chunk of 100 (excl. audience snapshots)",
                f"<= {TARGET_MS:g}", b["mean_ms"] <= TARGET_MS, wall_seconds=round(b["wall_s"], 2),
                audience_snapshots_seconds=round(b["count_s"], 3)),
