@@ -189,12 +189,13 @@ class PostgresStore:
         return int(row[0]) if row else 0
 
     def open_audience(self, campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> int:
-        """Evaluate the campaign's eligible audience ONCE (``lifecycle.eligible``, set-based) into a
-        temporary table of this session keyed by user_id (issue 16: one audience snapshot per
-        campaign per run). Until :meth:`close_audience`, :meth:`mint_chunk` pages from it (~1 ms a
-        page) and re-checks each user at mint (suppression by user and address, the contact policy
-        under the contact guard, the (user, campaign) key), so a snapshot that aged during the run
-        never sends what the live state forbids.
+        """Evaluate the campaign's eligible audience ONCE (``lifecycle.eligible``: the anti-joins, then
+        one contact-policy probe per remaining candidate) into a temporary table of this session
+        keyed by user_id, in one statement (issue 16: one audience snapshot per campaign per run;
+        ``lifecycle.snapshot_create``), then keys it (``snapshot_key``). Until :meth:`close_audience`,
+        :meth:`mint_chunk` pages from it (~1 ms a page) and re-checks each user at mint (suppression
+        by user and address, the contact policy under the contact guard, the (user, campaign) key),
+        so a snapshot that aged during the run never sends what the live state forbids.
 
         Call it at the campaign's turn, after every earlier campaign of the run has minted (the
         priority rule: their claims are contacts the snapshot excludes).
@@ -206,18 +207,22 @@ class PostgresStore:
         ident = pgsql.Identifier("pg_temp", f"mailflow_audience_{self._snapshot_seq}")
         with self.conn.transaction():
             # JIT compiles these plans (cost above jit_above_cost at 1M users) for ~0.1-0.3 s and
-            # gains nothing on index-driven joins: off for this transaction only
+            # gains nothing on index-driven joins: off for this transaction only; and room for the
+            # hash of the campaign's live rows (dedupe) and in-memory sorts at 1M users
             self.conn.execute("set local jit = off")
-            self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_create")).format(snapshot=ident))
-            params = self._params(campaign, window, cooldown_since)
-            cur = self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_fill")).format(
-                snapshot=ident, eligible=eligible_sql(campaign, policy=False)), params)
+            self.conn.execute("set local work_mem = '64MB'")
+            cur = self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_create")).format(
+                snapshot=ident, eligible=eligible_sql(campaign, snapshot=True)),
+                self._params(campaign, window, cooldown_since))
             size = max(cur.rowcount, 0)
-            if size and not campaign.exempt:
-                self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_analyze")).format(snapshot=ident))
-                cur = self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_policy")).format(
-                    snapshot=ident, caps=caps_sql(campaign.contact_policy, "snapshot_cap")), params)
+            key = pgsql.SQL(query("lifecycle", "snapshot_key")).format(snapshot=ident)
+            try:
+                with self.conn.transaction():
+                    self.conn.execute(key)
+            except psycopg.errors.UniqueViolation:  # the audience file lists a user twice
+                cur = self.conn.execute(pgsql.SQL(query("lifecycle", "snapshot_dedupe")).format(snapshot=ident))
                 size -= max(cur.rowcount, 0)
+                self.conn.execute(key)
         self._snapshots[campaign.name] = ident
         return size
 
@@ -490,17 +495,34 @@ class PostgresStore:
         return out
 
 
-def eligible_sql(campaign: Campaign, *, policy: bool = True) -> pgsql.Composed:
+def eligible_sql(campaign: Campaign, *, policy: bool = True, snapshot: bool = False) -> pgsql.Composed:
     """``lifecycle.eligible`` for ``campaign``: its audience file (trusted, version-controlled SQL,
     composed in as SQL) wrapped in the engine's exclusions; the contact-policy pre-filter
     (``lifecycle.eligible_policy`` with :func:`caps_sql`) only when the campaign is not exempt, so
     every exclusion stays a top-level anti-join the planner can hash (a constant ``exempt OR (...)``
     would hide them in correlated per-candidate subplans). ``policy=False`` leaves the policy part
-    out (the snapshot applies it afterwards, ``lifecycle.snapshot_policy``)."""
+    out.
+
+    ``snapshot=True``: the form of the run's snapshot (``lifecycle.snapshot_create``): the audience's
+    own columns (the context is built per page, ``lifecycle.snapshot_page``) and the same policy as
+    one probe of each candidate's contacts after the anti-joins (``lifecycle.snapshot_policy``), not
+    the set-based anti-joins over every recent contact of every user."""
+    columns = pgsql.SQL("a.user_id, a.email, to_jsonb(a) - 'user_id' - 'email' as context")
+    join: pgsql.Composable = pgsql.SQL("")
     part: pgsql.Composable = pgsql.SQL("")
-    if policy and not campaign.exempt:
+    if snapshot:
+        columns = pgsql.SQL("a.*")
+        if policy and not campaign.exempt:
+            since = [pgsql.Placeholder("cooldown_since")] + [
+                pgsql.Placeholder(f"cap_since_{i}") for i in range(len(campaign.contact_policy.extra_caps()))]
+            join = pgsql.SQL(query("lifecycle", "snapshot_policy")).format(
+                contact_since=pgsql.SQL("least({})").format(pgsql.SQL(", ").join(since)),
+                caps=caps_sql(campaign.contact_policy, "snapshot_cap"))
+            part = pgsql.SQL("and p.held is null")
+    elif policy and not campaign.exempt:
         part = pgsql.SQL(query("lifecycle", "eligible_policy")).format(caps=caps_sql(campaign.contact_policy))
-    return pgsql.SQL(query("lifecycle", "eligible")).format(audience=pgsql.SQL(campaign.audience_sql), policy=part)
+    return pgsql.SQL(query("lifecycle", "eligible")).format(
+        columns=columns, audience=pgsql.SQL(campaign.audience_sql), policy_join=join, policy=part)
 
 
 def mask_email(address: str) -> str:

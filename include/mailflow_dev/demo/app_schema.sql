@@ -3,8 +3,9 @@
 -- The lifecycle audiences (include/mailflow/campaigns/audiences/*.sql) read only
 -- these two tables.  In production the schema belongs to the product database;
 -- this file exists so the demo, the tests and the benchmarks can stand up an
--- equivalent one.  Every statement is idempotent (IF NOT EXISTS), so running it
--- on an existing schema is a no-op.
+-- equivalent one.  Every statement is idempotent (IF NOT EXISTS / IF EXISTS), so
+-- running it on an existing schema is a no-op (or replaces an index of an earlier
+-- version by its covering successor).
 --
 -- Times are timestamptz (stored as UTC instants).  users.timezone is an IANA
 -- zone name (e.g. Europe/Berlin) for local-time rendering/scheduling only.
@@ -39,11 +40,18 @@ create unique index if not exists users_email_lower_key on app.users (lower(emai
 create index if not exists users_signed_up_at_idx on app.users (signed_up_at);
 -- practice_tips: active in the window.
 create index if not exists users_last_active_at_idx on app.users (last_active_at);
--- finish_assessment / practice_tips: assessments started in the window.
-create index if not exists assessments_started_at_idx on app.assessments (started_at);
--- upgrade_offer: free tests finished in the window.
-create index if not exists assessments_finished_at_free_idx
-    on app.assessments (finished_at) where is_free;
+-- finish_assessment / practice_tips: assessments started in the window, with every column those
+-- two audience files read (INCLUDE), so the window is one index-only range on a vacuumed table
+-- instead of a heap visit per assessment: a requirement of those files (docs/performance.md,
+-- "Audience snapshot"). It replaces the plain (started_at) index of earlier versions (same key).
+create index if not exists assessments_started_at_cover_idx
+    on app.assessments (started_at) include (user_id, assessment_id, kind, finished_at);
+drop index if exists app.assessments_started_at_idx;
+-- upgrade_offer: free tests finished in the window, with the columns it reads (same reason; it
+-- replaces the plain partial (finished_at) index).
+create index if not exists assessments_finished_at_free_cover_idx
+    on app.assessments (finished_at) include (user_id, score) where is_free;
+drop index if exists app.assessments_finished_at_free_idx;
 -- per-user lookups (first_practice "never started", the engine's joins, FK).
 create index if not exists assessments_user_id_started_at_idx
     on app.assessments (user_id, started_at);

@@ -85,11 +85,13 @@ def test_migrate_twice_and_require_current(fresh: str) -> None:
 
 #: mail.send_log's indexes at head, exactly (pg_get_indexdef): each one is a write on every mint and
 #: apply of a chunk, so a new one is a decision (docs/performance.md, "Write path"); 0011 dropped
-#: send_log_sent_idx (its readers use mail.sent_email and send_log_campaign_sent_idx).
+#: send_log_sent_idx (its readers use mail.sent_email and send_log_campaign_sent_idx); 0012 replaced
+#: 0001's live key (user_id, campaign) by the same key campaign first (the snapshot's dedupe reads one
+#: campaign's range).
 SEND_LOG_INDEXES = {
     "send_log_pkey": "CREATE UNIQUE INDEX send_log_pkey ON mail.send_log USING btree (id)",
-    "send_log_user_campaign_uq": "CREATE UNIQUE INDEX send_log_user_campaign_uq ON mail.send_log USING btree"
-                                 " (user_id, campaign) WHERE (released_at IS NULL)",
+    "send_log_campaign_user_uq": "CREATE UNIQUE INDEX send_log_campaign_user_uq ON mail.send_log USING btree"
+                                 " (campaign, user_id) WHERE (released_at IS NULL)",
     "send_log_provider_id_uq": "CREATE UNIQUE INDEX send_log_provider_id_uq ON mail.send_log USING btree"
                                " (provider_message_id) WHERE (provider_message_id IS NOT NULL)",
     "send_log_batch_idx": "CREATE INDEX send_log_batch_idx ON mail.send_log USING btree (idempotency_key, batch_index)"

@@ -14,6 +14,10 @@
 --   first_name       text    may be null or empty
 --   assessment_id    bigint  the unfinished assessment (template: resume link)
 --   assessment_kind  text    its kind, e.g. numerical, situational_judgement (template: copy)
+--
+-- Requires: an index on app.assessments (started_at) INCLUDE (user_id, assessment_id, kind,
+-- finished_at) (the demo schema's assessments_started_at_cover_idx): the window is then one
+-- index-only range instead of a heap visit per assessment (docs/performance.md, "Audience snapshot").
 select distinct on (a.user_id)
        u.user_id,
        u.email,

@@ -17,31 +17,29 @@
 --   recent_kind  text    kind of the latest assessment started in the window (ties: the
 --                        highest assessment_id); null if the user only browsed (template: copy)
 --
--- Shape: the candidates are the union of two index ranges (users_last_active_at_idx,
--- assessments_started_at_idx), so only they are joined to their latest assessment; an OR over
--- the lateral join would visit every user (~0.7M index probes at 1M users; docs/performance.md).
+-- Shape (docs/performance.md, "Audience snapshot"): the latest assessment of each user who started
+-- one in the window is read once, as a set (one range of assessments_started_at_cover_idx, sorted by
+-- user: DISTINCT ON), and hash-joined to the users; a "latest assessment" probe per candidate (a
+-- LIMIT 1 lateral) cost ~4 us each, ~0.6 s for the ~146k candidates at 1M users. A user is a
+-- candidate if active in the window or found in that set: the same rows as the union of the two
+-- index ranges this file used before. The second arm says `r.user_id = u.user_id` (the join
+-- condition: true exactly when r matched) instead of `r.user_id is not null`: with it the planner
+-- estimates the ~15 percent of the users the filter keeps (it takes IS NOT NULL above a left join as
+-- true for every row) and applies the engine's exclusions to the candidates, not to every user.
+-- Requires: an index on app.assessments (started_at) INCLUDE (user_id, assessment_id, kind) (the
+-- demo schema's assessments_started_at_cover_idx); without it the window is a heap visit per
+-- assessment (same rows, slower).
 select u.user_id,
        u.email,
        u.first_name,
        r.kind as recent_kind
 from app.users u
-left join lateral (
-        select a.kind
-        from app.assessments a
-        where a.user_id = u.user_id
-          and a.started_at >= %(window_start)s
-          and a.started_at < %(window_end)s
-        order by a.started_at desc, a.assessment_id desc
-        limit 1
-     ) r on true
-where u.user_id in (
-        select x.user_id
-        from app.users x
-        where x.last_active_at >= %(window_start)s
-          and x.last_active_at < %(window_end)s
-        union
-        select a.user_id
+left join (
+        select distinct on (a.user_id) a.user_id, a.kind
         from app.assessments a
         where a.started_at >= %(window_start)s
           and a.started_at < %(window_end)s
-      )
+        order by a.user_id, a.started_at desc, a.assessment_id desc
+     ) r on r.user_id = u.user_id
+where (u.last_active_at >= %(window_start)s and u.last_active_at < %(window_end)s)
+   or r.user_id = u.user_id

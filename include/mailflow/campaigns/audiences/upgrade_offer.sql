@@ -16,6 +16,10 @@
 --   first_name           text    may be null or empty
 --   free_tests_finished  int     free tests finished in the window (>= 1) (template: copy)
 --   best_score           int     best score among them, 0..100, null if none was scored
+--
+-- Requires: an index on app.assessments (finished_at) INCLUDE (user_id, score) WHERE is_free (the
+-- demo schema's assessments_finished_at_free_cover_idx): the window is then one index-only range
+-- instead of a heap visit per assessment (docs/performance.md, "Audience snapshot").
 select u.user_id,
        u.email,
        u.first_name,

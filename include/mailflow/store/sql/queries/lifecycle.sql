@@ -3,21 +3,28 @@
 -- The audience placeholder takes the campaign's own, version-controlled SQL; every value is bound.
 -- Exclusions (each a top-level NOT EXISTS, so the planner turns every one into an anti-join and
 -- can hash a whole set once instead of probing per candidate; docs/performance.md):
---   dedupe:      the user already has a live row for this campaign (unique key send_log_user_campaign_uq);
+--   dedupe:      the user already has a live row for this campaign (unique key send_log_campaign_user_uq,
+--                0012: a campaign's users are one range of it, read once and hashed for a large audience);
 --   (no attempts clause: a whole-request failure never charges a user; only a rejection of that
 --    exact email or an unknown outcome past the idempotency window excludes one, and both keep
 --    the live unique key, so `dedupe` covers them; docs/model.md)
 --   policy:      the contact policy pre-filter (lifecycle.eligible_policy: cooldown and one
---                lifecycle.eligible_cap per frequency cap the cooldown does not imply); empty for
---                an exempt campaign (transactional mail, `policy = "exempt"`);
+--                lifecycle.eligible_cap per frequency cap the cooldown does not imply; for the run's
+--                snapshot the same rules as one probe per candidate, lifecycle.snapshot_policy);
+--                empty for an exempt campaign (transactional mail, `policy = "exempt"`);
 --   suppression: the user or the (trimmed, case-folded) address is suppressed for all mail or for
 --                this campaign.
+-- Composed by store.eligible_sql: the select list is user_id, email and the context (every other
+-- column of the audience, as JSON) for counts, dry runs and live pages, or the audience's own
+-- columns for the snapshot (which builds the context per page, lifecycle.snapshot_page); the join
+-- after the audience is the snapshot's policy probe, else empty.
 -- This is the pre-filter (the audience snapshot); the authoritative check is repeated per user at
 -- mint, under the contact guard (store.mint_chunk).
-select a.user_id, a.email, to_jsonb(a) - 'user_id' - 'email' as context
+select {columns}
 from (
 {audience}
 ) as a
+{policy_join}
 where not exists (select 1 from mail.send_log d
                   where d.user_id = a.user_id and d.campaign = %(campaign)s and d.released_at is null)
   {policy}
@@ -77,41 +84,35 @@ order by e.user_id
 limit %(limit)s
 
 -- name: snapshot_create
--- The run's audience snapshot of one campaign (issue 16): a temporary table of this session, keyed
--- by user_id, dropped when the campaign ends (or with the session). The table's name is generated.
-create temp table {snapshot} (user_id bigint primary key, email text, context jsonb) on commit preserve rows
-
--- name: snapshot_fill
--- Evaluate the campaign's audience ONCE for this run into the snapshot: lifecycle.eligible without
--- its contact-policy part (dedupe and suppression: anti-joins), which snapshot_policy then applies
--- in one pass over the candidates' contacts. A user listed twice by an audience file counts once.
-insert into {snapshot} (user_id, email, context)
-select e.user_id, e.email, e.context
-from (
+-- The run's audience snapshot of one campaign (issue 16), evaluated ONCE for this run: a temporary
+-- table of this session with the audience's own columns (lifecycle.eligible composed with a.*:
+-- dedupe, suppression and the contact policy in the one statement), dropped when the campaign ends
+-- (or with the session). The table's name is generated; snapshot_key then makes user_id its key.
+-- Only the survivors are written, and as plain rows: the JSON context of a user is built when a page
+-- reads them (snapshot_page), so ~1,000 a run instead of one per candidate (docs/performance.md).
+create temp table {snapshot} on commit preserve rows as
 {eligible}
-) as e
-on conflict (user_id) do nothing
 
 -- name: snapshot_policy
 -- The contact-policy pre-filter of lifecycle.eligible_policy / eligible_cap (same rules, same
--- rows), set-based over the snapshot's candidates only: one join of the snapshot with their
--- contacts (send_log_contact_idx, index-only), grouped by user; a user with an email in flight, one
--- sent since cooldown_since, one planned before greatest(cooldown_until, now() + cooldown), or at
--- least N contacts within a frequency cap's window (snapshot_cap) is removed. Not run for an exempt
--- campaign.
-delete from {snapshot} t
-using (
-    select s.user_id
-    from {snapshot} s
-    join mail.send_log c on c.user_id = s.user_id and c.status in ('pending', 'sending', 'sent')
-    group by s.user_id
+-- rows) as one probe of each candidate's contacts (send_log_contact_idx, index-only), after the
+-- anti-joins: a row (held) if the user has an email in flight, one sent since cooldown_since, one
+-- planned before greatest(cooldown_until, now() + cooldown), or at least N contacts within a
+-- frequency cap's window (snapshot_cap); lifecycle.eligible keeps the users without one
+-- (`p.held is null`). Sent emails older than the earliest window (contact_since: cooldown_since or
+-- a cap's since, the least) count in no rule, so they are not aggregated. Not composed for an
+-- exempt campaign.
+left join lateral (
+    select true as held
+    from mail.send_log c
+    where c.user_id = a.user_id and c.status in ('pending', 'sending', 'sent')
+      and (c.status <> 'sent' or c.sent_at >= {contact_since})
     having bool_or(c.status = 'sending')
         or bool_or(c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
         or bool_or(c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)
                                              < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval))
         {caps}
-) as held
-where t.user_id = held.user_id
+) as p on true
 
 -- name: snapshot_cap
 -- One frequency cap of snapshot_policy (N contacts within the cap's window, as lifecycle.eligible_cap).
@@ -119,17 +120,26 @@ or count(*) filter (where (c.status = 'sent' and c.sent_at >= {since}) or c.stat
                             or (c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)
                                 < greatest({until}::timestamptz, now() + {window}::interval))) >= {emails}
 
--- name: snapshot_analyze
--- Statistics of the filled snapshot (a temporary table has none), so the planner of
--- snapshot_policy knows how many candidates it joins.
-analyze {snapshot}
+-- name: snapshot_key
+-- The snapshot's key, built once after the fill (a sort of the survivors; cheaper than checking
+-- each inserted row against an index). Fails if the audience file lists a user twice: snapshot_dedupe.
+alter table {snapshot} add primary key (user_id)
+
+-- name: snapshot_dedupe
+-- A user listed twice by an audience file counts once: the first row the fill wrote stays (as an
+-- INSERT ... ON CONFLICT DO NOTHING keeps it), the others go; then snapshot_key again.
+delete from {snapshot} t
+using {snapshot} o
+where o.user_id = t.user_id and o.ctid < t.ctid
 
 -- name: snapshot_page
 -- The next page of the snapshot in user_id order (keyset on its primary key: ~1 ms a page at any
--- audience size). The contact guard re-checks every user of the page at mint.
-select user_id, email, context from {snapshot}
-where user_id > %(after)s
-order by user_id
+-- audience size), with each user's context built as lifecycle.eligible builds it (every column of
+-- the audience but user_id and email, as JSON). The contact guard re-checks every user of the page
+-- at mint.
+select t.user_id, t.email, to_jsonb(t) - 'user_id' - 'email' as context from {snapshot} t
+where t.user_id > %(after)s
+order by t.user_id
 limit %(limit)s
 
 -- name: snapshot_drop
