@@ -40,8 +40,8 @@ where not exists (select 1 from mail.send_log d
 -- interval end - cooldown (no upper bound, so a backfill also sees what was sent after its
 -- interval), in flight ('sending'), or planned ('pending') before cooldown_until = greatest(interval
 -- end, now()) + cooldown: measured from the ACTUAL send time (now), so a backfill never sends inside
--- a planned email's cooldown. Two anti-joins: "sent since" is one range of send_log_sent_idx (read
--- once and hashed), the in-flight/planned rows one range of send_log_open_idx. Then the caps.
+-- a planned email's cooldown. Two anti-joins over the users' contacts (send_log_contact_idx; 0011
+-- dropped the send_log_sent_idx these once read as one range), then the caps.
 and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id and c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
   and not exists (select 1 from mail.send_log c
@@ -54,8 +54,8 @@ and not exists (select 1 from mail.send_log c
 -- name: eligible_cap
 -- One frequency cap (N emails per window W) the cooldown does not imply, set-based: the users with
 -- at least N contacts within W of the email (sent since cap_since, in flight, or planned before
--- greatest(cap_until, now() + W)), counted once over three index ranges (send_log_sent_idx,
--- send_log_open_idx) and grouped, then anti-joined. A correlated count per candidate cost ~10 us
+-- greatest(cap_until, now() + W)), counted once over index ranges (send_log_campaign_sent_idx or
+-- send_log_contact_idx since 0011, send_log_open_idx) and grouped, then anti-joined. A correlated count per candidate cost ~10 us
 -- each, i.e. seconds for a large audience (docs/performance.md).
 and not exists (
       select 1 from (
@@ -160,6 +160,8 @@ select e.user_id from (
 ) as e
 
 -- name: mint
+-- (The mint before issue 16, kept as the "before" of python -m bench.write_path --mint assign: rows
+-- INSERTed without their key, then send_log.assign_batch UPDATEs each; the engine uses mint.mint_keyed.)
 -- Mint one chunk as claimed ('sending') rows, under the contact guard (the caller holds the users'
 -- mail.contact locks, has re-checked the policy and holds the addresses). ON CONFLICT DO NOTHING on
 -- the live (user, campaign) key: the claimed set is exactly the rows RETURNING gives back (a
@@ -211,10 +213,3 @@ on conflict (campaign, email_key) do nothing
 -- Who holds these normalised addresses for the campaign (the 'duplicate' reason names them).
 select email_key, user_id from mail.campaign_address
 where campaign = %(campaign)s and email_key = any(%(keys)s::text[])
-
--- name: rejected_in_run
--- Normalised addresses the provider rejected earlier in this run (any campaign): a lower-priority
--- campaign does not try them again in the same run.
-select distinct email_key from mail.send_log
-where run_id = %(run_id)s and email_key = any(%(keys)s::text[])
-  and status = 'failed' and released_at is null and dead_lettered_at is null and attempts > 0

@@ -13,7 +13,7 @@ select array(select nextval('mail.send_log_id_seq') from generate_series(1, %(n)
 -- Users of the page who already hold a live row for this campaign (the (user, campaign) unique key),
 -- read AFTER the contact guard's lock: every other lifecycle minter of these users waits for that
 -- lock, so this set cannot grow before the mint commits (mint_keyed's ON CONFLICT stays the
--- backstop). Index-only on send_log_user_campaign_uq.
+-- backstop). Index-only on the live key, send_log_campaign_user_uq (0012).
 select d.user_id from mail.send_log d
 where d.user_id = any(%(ids)s::bigint[]) and d.campaign = %(campaign)s and d.released_at is null
 
@@ -53,7 +53,7 @@ values (%(key)s, %(campaign)s, %(count)s, %(body)s, %(validation)s)
 -- name: rejected_of_run
 -- Normalised addresses the provider rejected earlier in this run (any campaign), read once per run
 -- by a store; the store adds each rejection it applies, so a lower-priority campaign does not try
--- them again in the same run (the per-chunk form, lifecycle.rejected_in_run, cost ~1-2 ms a chunk).
+-- them again in the same run (the per-chunk lookup this replaced cost ~1-2 ms a chunk).
 select distinct email_key from mail.send_log
 where run_id = %(run_id)s and email_key is not null
   and status = 'failed' and released_at is null and dead_lettered_at is null and attempts > 0
