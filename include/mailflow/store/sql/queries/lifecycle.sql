@@ -132,6 +132,14 @@ delete from {snapshot} t
 using {snapshot} o
 where o.user_id = t.user_id and o.ctid < t.ctid
 
+-- name: send_log_stats_stale
+-- Whether mail.send_log changed by more than half its analysed size (plus 1,000 rows) since its last
+-- ANALYZE, or was never analysed: then the planner's row counts for it are wrong, and the snapshot
+-- plans defensively (store.open_audience). Reads two catalog rows.
+select coalesce(s.n_mod_since_analyze > greatest(c.reltuples, 0) * 0.5 + 1000, true)
+from pg_class c left join pg_stat_user_tables s on s.relid = c.oid
+where c.oid = 'mail.send_log'::regclass
+
 -- name: snapshot_page
 -- The next page of the snapshot in user_id order (keyset on its primary key: ~1 ms a page at any
 -- audience size), with each user's context built as lifecycle.eligible builds it (every column of
