@@ -121,10 +121,14 @@ def rig(db: psycopg.Connection, db_dsn: str, emulator: EmulatorProcess) -> Itera
 
 class RacingConnection:
     """Proxy of the store's connection: right after the audience page is read, another session
-    commits a row for ``uid`` (a concurrent run) before the mint statement runs."""
+    commits a row for ``uid`` (a concurrent run) before the mint statement runs. With ``before``,
+    the row is committed instead right before the first statement whose text contains ``before``
+    (e.g. a writer that skips the contact lock, seen only by the INSERT's ON CONFLICT)."""
 
-    def __init__(self, conn: psycopg.Connection, other: psycopg.Connection, uid: int, campaign: str):
+    def __init__(self, conn: psycopg.Connection, other: psycopg.Connection, uid: int, campaign: str,
+                 before: str | None = None):
         self._conn, self._other, self._uid, self._campaign = conn, other, uid, campaign
+        self._before = before
         self.fired = False
 
     @property
@@ -142,6 +146,11 @@ class RacingConnection:
         return self._conn.transaction()
 
     def execute(self, query: Any, params: Any = None) -> Any:
+        if self._before is not None:
+            if not self.fired and isinstance(query, str) and self._before in query:
+                self.fired = True
+                plant_row(self._other, self._uid, self._campaign, "sending", run_id="concurrent-run")
+            return self._conn.execute(query, params)
         cur = self._conn.execute(query, params)
         if not self.fired and isinstance(params, dict) and "after" in params:
             self.fired = True

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 
 import psycopg
-from lifecycle_rig import RUN, Rig, add_user, plant_row, rig, simple_campaign  # noqa: F401
+from lifecycle_rig import RUN, RacingConnection, Rig, add_user, plant_row, rig, simple_campaign  # noqa: F401
 
 from mailflow.sendloop.keys import batch_key
 from mailflow.store.send_log import PostgresStore
@@ -48,42 +47,14 @@ def test_rows_are_minted_once_with_their_key_index_and_the_stored_bytes(rig: Rig
     assert len(rig.outbox()) == 150
 
 
-class LateRow:
-    """Proxy of the store's connection: right before the keyed mint, another session commits a live
-    row for ``uid`` WITHOUT passing the contact lock (as a misconfigured writer would), so only the
-    INSERT's ON CONFLICT backstop can see it."""
-
-    def __init__(self, conn: psycopg.Connection, other: psycopg.Connection, uid: int, campaign: str):
-        self._conn, self._other, self._uid, self._campaign = conn, other, uid, campaign
-        self.fired = False
-
-    @property
-    def autocommit(self) -> bool:
-        return self._conn.autocommit
-
-    @autocommit.setter
-    def autocommit(self, value: bool) -> None:
-        self._conn.autocommit = value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    def transaction(self) -> Any:
-        return self._conn.transaction()
-
-    def execute(self, query: Any, params: Any = None) -> Any:
-        if not self.fired and isinstance(query, str) and "already carry their batch key" in query:
-            self.fired = True
-            plant_row(self._other, self._uid, self._campaign, "sending", run_id="concurrent-run")
-        return self._conn.execute(query, params)
-
-
 def test_a_row_lost_to_the_on_conflict_backstop_is_never_named_by_the_batch(rig: Rig) -> None:
     for uid in (1, 2, 3):
         add_user(rig.db, uid)
     conn = psycopg.connect(rig.dsn)
     rig.conns.append(conn)
-    racing = LateRow(conn, rig.db, uid=2, campaign="a")
+    # right before the keyed mint, another session commits a live row for user 2 WITHOUT passing the
+    # contact lock (as a misconfigured writer would): only the INSERT's ON CONFLICT backstop sees it
+    racing = RacingConnection(conn, rig.db, uid=2, campaign="a", before="already carry their batch key")
     campaign = dataclasses.replace(simple_campaign("a", 1), exempt=True)
     [s] = rig.run([campaign], store=PostgresStore(racing))  # type: ignore[arg-type]
     assert racing.fired
