@@ -347,7 +347,7 @@ def test_every_table_view_and_column_of_mail_has_a_comment(db: psycopg.Connectio
     assert db.execute("select obj_description('mail'::regnamespace, 'pg_namespace') <> ''").fetchone() == (True,)
 
 
-# -- the ten questions of docs/send_log.md, against the demo data -----------------------------------
+# -- the eleven questions of docs/send_log.md, against the demo data -----------------------------------
 
 FP_CAMPAIGN = "first_practice"
 
