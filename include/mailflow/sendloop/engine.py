@@ -180,7 +180,6 @@ class ChunkPipeline:
     def _send_and_apply(self, store: Store, chunk: InFlight, slot: float | None) -> tuple[Outcome, Applied, PreparedBatch]:
         """The sender thread's whole job for one chunk when it has its own store."""
         outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
-        chunk.outcome = outcome
         return finish_chunk(store, self.provider, chunk.prepare, chunk.batch, chunk.rows, outcome, chunk.deadline,
                             self.run)
 
@@ -204,7 +203,8 @@ class ChunkPipeline:
         return (chunk, *done)
 
     def close(self) -> None:
-        """Stop the background thread (after waiting for a chunk still in flight; not applied)."""
+        """Stop the background thread, after waiting for a chunk still in flight (applied only if the
+        sender thread has its own ``apply_store``; otherwise ``collect`` it first)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

@@ -448,8 +448,7 @@ class PostgresStore:
                 # Strict validation refused the whole request: nothing was processed and nothing
                 # changes here; the caller re-sends the chunk permissive under a new key.
                 return Applied()
-            if not isinstance(outcome, Refused):
-                self._memory.applied(run.run_id, ids, ())
+            self._memory.applied(run.run_id, ids, ())  # no rejection: the rows' addresses are forgotten
             if isinstance(outcome, NotSent):
                 # Proven not processed: released without charging anyone, except rows that were
                 # ever part of an ambiguous request (they keep their key: only a 2xx resolves them).
