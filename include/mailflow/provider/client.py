@@ -5,9 +5,12 @@ keys and rate limits):
 
 * ``POST /emails/batch`` with 1-100 emails, ``x-batch-validation`` (``permissive`` by default here),
   ``Idempotency-Key`` (1-256 chars, kept 24 h). Every retry sends the same bytes under the same key.
-* 429 ``rate_limit_exceeded``: wait ``retry-after`` (delta-seconds, fractional, or HTTP-date;
-  garbage or missing -> exponential backoff with full jitter) and push the shared schedule back
-  for every sender. Never wait past the run's deadline.
+* 429 ``rate_limit_exceeded``: wait ``retry-after`` (delta-seconds, fractional, or an HTTP-date
+  measured against the response's own ``Date``; garbage or missing -> exponential backoff with
+  full jitter) and push the shared schedule back for every sender. A wait above
+  ``RetryPolicy.max_retry_after`` stops the run with an alert (``rate limited``, fatal) and holds
+  the others only for the cap. Never wait past the run's deadline: not for a retry, and not for a
+  first slot that another sender's 429 pushed back (:data:`SLOT_GRACE_SECONDS`).
 * 429 ``daily_quota_exceeded`` / ``monthly_quota_exceeded``: not retried, the run stops.
 * 5xx, timeouts, transport errors after the request was written: the outcome is *ambiguous*
   (Resend's error-code page: a 5xx is an infrastructure issue and says nothing about whether the
@@ -31,13 +34,15 @@ from __future__ import annotations
 import email.utils
 import logging
 import random
+import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
 from mailflow.provider.errors import describe_refusal
-from mailflow.provider.pacing import Pacer
+from mailflow.provider.pacing import DEFAULT_MAX_HOLD_SECONDS, Pacer, check_max_hold, late_tolerance
 from mailflow.sendloop.apply_by_index import reconcile_by_index
 from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.outcome import NotSent, Outcome, PreparedBatch, Refused, Unknown
@@ -45,43 +50,83 @@ from mailflow.sendloop.outcome import NotSent, Outcome, PreparedBatch, Refused, 
 log = logging.getLogger(__name__)
 
 QUOTA_ERRORS = frozenset({"daily_quota_exceeded", "monthly_quota_exceeded"})
+#: Seconds the first request of a chunk may start after the deadline its caller passed (another
+#: sender took the predicted or reserved slot: a few slots' spacing). A later first slot (the shared
+#: schedule was pushed back by a 429) gives the chunk up, proven not processed, with "time budget".
+#: Counted in ``orchestration.budgets.SETUP_SECONDS``.
+SLOT_GRACE_SECONDS = 5.0
 
 
-def parse_retry_after(value: str | None, clock: Clock) -> float | None:
+#: ``Retry-After`` as RFC 9110 delta-seconds, with a fraction tolerated (not in the RFC).
+_DELTA_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+#: The largest wait :func:`parse_retry_after` returns (s): anything longer is equally "too long".
+RETRY_AFTER_CEILING = 366 * 86400.0
+
+
+def _http_date(text: str | None) -> datetime | None:
+    """An RFC 9110 HTTP-date (IMF-fixdate; the obsolete RFC 850 and asctime forms as far as
+    :func:`email.utils.parsedate_to_datetime` reads them) as an aware UTC datetime, or None."""
+    if not text:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(text.strip())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    # HTTP-dates are always GMT (RFC 9110 section 5.6.7); "-0000" parses naive
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
+
+
+def parse_retry_after(value: str | None, clock: Clock, date: str | None = None) -> float | None:
     """Seconds to wait from a ``Retry-After`` value (RFC 9110 section 10.2.3), or None if unusable.
 
-    Accepts delta-seconds (``"2"``), a fraction (``"0.25"``, tolerated though not in the RFC) or an
-    HTTP-date (measured against ``clock.now()``). Negative, NaN, infinite or garbage -> None.
+    :param value: the header: delta-seconds (``"2"``), a fraction (``"0.25"``, tolerated though not
+        in the RFC) or an HTTP-date.
+    :param clock: our clock; its ``now()`` is the reference for an HTTP-date only when ``date`` is
+        absent or unusable.
+    :param date: the same response's ``Date`` header. An HTTP-date is measured against it, not our
+        clock: the provider's clock may run ahead or behind ours, and both headers come from it.
+    :returns: seconds (0 <= s <= :data:`RETRY_AFTER_CEILING`); a date in the past is 0. None for
+        garbage, a sign, an exponent, NaN or infinity (the caller then backs off with jitter).
+        Never raises. The caller decides whether the wait is acceptable (``RetryPolicy.max_retry_after``).
     """
     if value is None:
         return None
     text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
+    if _DELTA_SECONDS.fullmatch(text):
+        seconds = float(text)  # many digits overflow to inf: clamped below
+    else:
+        when = _http_date(text)
+        if when is None:
+            return None
+        reference = _http_date(date) or clock.now()
         try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError, OverflowError):
-            return None
-        if when is None or when.tzinfo is None:
-            return None
-        seconds = (when - clock.now()).total_seconds()
-        return max(seconds, 0.0)
-    if seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds < 0:
+            seconds = (when - reference).total_seconds()
+        except OverflowError:
+            return RETRY_AFTER_CEILING
+    if seconds != seconds:
         return None
-    return seconds
+    return min(max(seconds, 0.0), RETRY_AFTER_CEILING)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
     """Bounded retries: at most ``max_attempts`` requests per batch; backoff ``base * 2**(n-1)``
     seconds capped at ``cap``, with full jitter (AWS architecture blog, "Exponential Backoff And
-    Jitter"); a Retry-After above ``max_retry_after`` seconds stops the run instead of waiting."""
+    Jitter"); a Retry-After above ``max_retry_after`` seconds stops the run with an alert instead of
+    waiting, and holds the shared schedule only ``max_retry_after`` seconds.
+
+    :raises ValueError: if ``max_retry_after`` is not in ``(0, pacing.MAX_HOLD_SECONDS]`` (120 s).
+    """
 
     max_attempts: int = 5
     base: float = 0.5
     cap: float = 20.0
-    max_retry_after: float = 60.0
+    max_retry_after: float = DEFAULT_MAX_HOLD_SECONDS
+
+    def __post_init__(self) -> None:
+        check_max_hold(self.max_retry_after)
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
         return rng.uniform(0, min(self.cap, self.base * 2 ** (attempt - 1)))
@@ -140,8 +185,13 @@ class ResendClient:
         """Seconds a reserved slot may have passed and still be used: half the slack that pacing at
         ``target_fraction`` f leaves in the provider's 1 s window, ``(1/f - 1) / 2`` (125 ms at 0.8,
         26 ms at 0.95); the other half is left for network jitter."""
-        fraction = float(getattr(self.pacer, "target_fraction", 0.8))
-        return (1.0 / fraction - 1.0) / 2.0
+        return late_tolerance(float(getattr(self.pacer, "target_fraction", 0.8)))
+
+    def _claim(self) -> float:
+        """Claim the next slot of the shared schedule; return its ``clock.monotonic()`` start. The
+        pacer's wait counts from its return (a slow pacer database does not shift the start)."""
+        wait = self.pacer.claim()
+        return self.clock.monotonic() + wait
 
     def reserve_slot(self, deadline: float) -> float | None:
         """Claim the next request slot of the shared schedule, before a chunk is minted.
@@ -150,7 +200,7 @@ class ResendClient:
         :returns: the ``clock.monotonic()`` time at which the slot starts, or None when it starts
             after ``deadline`` (then nothing should be minted: a minted chunk is always sent).
         """
-        start = self.clock.monotonic() + self.pacer.claim()
+        start = self._claim()
         return None if start > deadline else start
 
     def peek_slot(self, deadline: float) -> float | None:
@@ -170,10 +220,16 @@ class ResendClient:
 
         :param deadline: ``clock.monotonic()`` value after which no new wait or retry starts.
         :param slot: a slot from :meth:`reserve_slot`: the first attempt starts then, whatever the
-            deadline (the budget was checked when the slot was reserved, before minting).
-        :param claim_at_send: claim the first attempt's slot now, here, and start it then whatever
-            the deadline (the budget was checked before minting with :meth:`peek_slot`): the
-            pipelined engine's way, so no hand-over between threads can make the slot late.
+            deadline (the budget was checked when the slot was reserved, before minting). If it
+            passed by more than :meth:`late_tolerance`, a new slot is claimed.
+        :param claim_at_send: claim the first attempt's slot now, here (the budget was checked
+            before minting with :meth:`peek_slot`): the pipelined engine's way, so no hand-over
+            between threads can make the slot late.
+            A first slot claimed here (or claimed again for a late reserved slot) that starts more
+            than :data:`SLOT_GRACE_SECONDS` after ``deadline`` (or after now, if that is later: a
+            chunk whose preparation overran the deadline) (the schedule was pushed back by a
+            429, maybe another sender's) is not waited for: the batch is given up as not sent
+            (``time budget``; an ambiguous batch stays ambiguous).
         :returns: :class:`Accepted` (reconciled by index), :class:`NotSent` (proven not processed;
             always with ``stop_run``), :class:`Refused` (strict validation refused the whole
             request; nothing processed) or :class:`Unknown` (maybe processed). Never raises for HTTP
@@ -195,24 +251,30 @@ class ResendClient:
                                stop_run=stop, fatal=fatal)
             return NotSent(reason=reason, stop_run=stop, fatal=fatal)
 
+        rate_limited = False  # the last answer was a 429 rate_limit_exceeded
         for attempt in range(1, self.policy.max_attempts + 1):
-            if attempt == 1 and claim_at_send:
-                wait = self.pacer.claim()  # the slot is claimed before any wait or I/O; no budget check
-            elif attempt == 1 and slot is not None and self.clock.monotonic() - slot <= self.late_tolerance():
-                wait = max(slot - self.clock.monotonic(), 0.0)
-            elif attempt == 1 and slot is not None:
-                # The reserved slot passed while the chunk was being prepared. Starting now would
-                # crowd the provider's window (docs/operations.md "The shared rate"): take the next
-                # slot instead. No budget check: a minted chunk is always sent.
-                self.stats["late_slots"] += 1
-                wait = self.pacer.claim()
+            if attempt == 1 and slot is not None and not claim_at_send \
+                    and self.clock.monotonic() - slot <= self.late_tolerance():
+                start = slot
             else:
-                wait = self.pacer.claim()  # the slot is claimed before any wait or I/O
-                if self.clock.monotonic() + wait > deadline:
-                    return give_up(f"time budget reached before attempt {attempt} ({last})", stop="time budget")
+                if attempt == 1 and slot is not None and not claim_at_send:
+                    # The reserved slot passed while the chunk was being prepared. Starting now would
+                    # crowd the provider's window (docs/operations.md "The shared rate"): take the
+                    # next slot instead.
+                    self.stats["late_slots"] += 1
+                start = self._claim()  # the slot is claimed before any wait or I/O
+                # a minted chunk's first attempt may start a few slots past the deadline (or past now,
+                # if preparing it overran the deadline), never a shared hold past it
+                limit = max(deadline, self.clock.monotonic()) + SLOT_GRACE_SECONDS if attempt == 1 else deadline
+                if start > limit:
+                    why = "rate limited" if rate_limited else last
+                    return give_up(f"time budget reached before attempt {attempt}: the next request slot starts "
+                                   f"{start - deadline:.1f} s after the deadline ({why})", stop="time budget")
+            wait = max(start - self.clock.monotonic(), 0.0)
             self.clock.sleep(wait)
             self.stats["requests"] += 1
             started = self.clock.monotonic()
+            rate_limited = False
             try:
                 resp = self.http.post("/emails/batch", content=batch.body, headers=headers)
             except httpx.ConnectError as exc:  # nothing was written: certainly not processed
@@ -241,12 +303,21 @@ class ResendClient:
                     return give_up(refused.reason, stop=refused.stop, fatal=refused.fatal)
                 if status == 429:
                     self.stats["429"] += 1
-                    delay = parse_retry_after(resp.headers.get("retry-after"), self.clock)
+                    rate_limited = True
+                    header = resp.headers.get("retry-after")
+                    delay = parse_retry_after(header, self.clock, resp.headers.get("date"))
                     if delay is None:
                         delay = self.policy.backoff(attempt, self.rng)
-                    self.pacer.push_back(delay)  # every sender of the account waits, not just us
-                    if delay > self.policy.max_retry_after:
-                        return give_up(f"rate limited for {delay:.0f} s: {last}", stop="rate limited")
+                    cap = self.policy.max_retry_after
+                    # every sender of the account waits, not just us; never longer than the cap
+                    self.pacer.push_back(min(delay, cap))
+                    if delay > cap:
+                        log.error("%s asked every sender to wait %.0f s (Retry-After %r, Date %r), above the "
+                                  "%g s cap: the run stops; the shared schedule is held %g s", self.conn_id,
+                                  delay, header, resp.headers.get("date"), cap, cap)
+                        return give_up(f"rate limited: the provider asked for a wait of {delay:.0f} s "
+                                       f"(Retry-After {header!r}), above the {cap:g} s cap ({last})",
+                                       stop="rate limited", fatal=True)
                     if self.clock.monotonic() + delay > deadline:
                         return give_up(f"time budget reached while rate limited ({last})", stop="time budget")
                     continue  # the next claim lands after the pushed-back schedule
@@ -265,8 +336,8 @@ class ResendClient:
                 if self.clock.monotonic() + delay > deadline:
                     return give_up(f"time budget reached while retrying ({last})", stop="time budget")
                 self.clock.sleep(delay)
-        return give_up(f"gave up after {self.policy.max_attempts} attempts: {last}",
-                       stop="provider unavailable" if maybe_delivered else "provider unreachable")
+        stop = "provider unavailable" if maybe_delivered else "rate limited" if rate_limited else "provider unreachable"
+        return give_up(f"gave up after {self.policy.max_attempts} attempts: {last}", stop=stop)
 
 
 VALIDATION_ERRORS = frozenset({"validation_error", "invalid_parameter", "missing_required_field",

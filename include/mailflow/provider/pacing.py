@@ -28,12 +28,33 @@ the rate at a target fraction near 1. Counted from the response instead, the hol
 request's latency to every full window: at 0.95 ten requests span 945 ms, so every window is full,
 and 1M-user runs lost a tenth of their slots to it (issue 16). A real overshoot answers 429, which waits
 Retry-After and lowers the shared rate.
+
+**Every hold is bounded.** Nothing a provider says can hold the shared schedule longer than the
+pacer's ``max_hold`` (default :data:`DEFAULT_MAX_HOLD_SECONDS`, configurable up to
+:data:`MAX_HOLD_SECONDS`): ``push_back`` and the ``ratelimit-remaining`` hold are clamped in Python
+and again in SQL (``least(seconds, max_hold)``), and a claim never takes a slot further than
+``max_hold`` + :data:`QUEUE_SECONDS` ahead (which also heals a schedule pushed back by an older
+version). A client that is asked to wait longer than its cap stops its run with an alert instead
+(``mailflow.provider.client``); every other sender waits at most the cap.
+
+**A slot's start is computed on our clock, whatever the database's latency.** The database answers
+with its slot and its own clock at the moment it executed the claim; that moment lies somewhere
+between sending the statement and reading the answer. :class:`PostgresPacer` keeps the tightest
+bounds on the offset between the database's clock and ``time.monotonic()`` that all its statements
+so far prove (NTP's idea: each round trip brackets the offset), so a slow answer does not shift the
+start late; it asks for a slot no earlier than ``now + lead``, where the lead is the longest recent
+round trip, so the answer normally arrives before its slot; and it forfeits a slot that already
+started more than :func:`late_tolerance` ago when the answer arrives, and claims again. Late starts
+crowd the provider's window (a late start joins the next second's requests).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -50,18 +71,62 @@ PENALTY_STEP = 0.1
 MAX_PENALTY = 0.5
 #: Seconds over which a penalty decays linearly back to 0.
 PENALTY_RECOVERY_SECONDS = 600.0
+#: The default cap (s) on a hold of the shared schedule: ``RetryPolicy.max_retry_after``'s default.
+DEFAULT_MAX_HOLD_SECONDS = 60.0
+#: The largest cap (s) that may be configured: a shared hold longer than a couple of minutes would
+#: silently freeze every sender of the account, so anything longer stops the run with an alert.
+MAX_HOLD_SECONDS = 120.0
+#: Seconds of queued slots a claim may still find beyond ``max_hold`` (senders queued behind a hold).
+QUEUE_SECONDS = 10.0
+#: Uncertainty (s) a bound on the database clock's offset gains per second of age (clock drift and
+#: slewing: 1 ms/s is twice NTP's 500 ppm slew limit).
+OFFSET_DRIFT = 1e-3
+#: Late slots one claim forfeits in a row at most (then it uses the next one and counts it late).
+MAX_FORFEITS = 8
+#: Extra reads of the database clock a claim takes at most while the offset is still uncertain.
+CALIBRATION_PROBES = 3
+#: Claim round trips remembered for the lead.
+LEAD_SAMPLES = 8
+
+
+def late_tolerance(target_fraction: float) -> float:
+    """Seconds a slot may have passed and still be used: half the slack that pacing at
+    ``target_fraction`` f leaves in the provider's 1 s window, ``(1/f - 1) / 2`` (125 ms at 0.8,
+    26 ms at 0.95); the other half is left for network jitter."""
+    return (1.0 / float(target_fraction) - 1.0) / 2.0
+
+
+def check_max_hold(seconds: float) -> float:
+    """Validate a cap on shared holds (seconds).
+
+    :raises ValueError: unless ``0 < seconds <= MAX_HOLD_SECONDS``.
+    """
+    value = float(seconds)
+    if not 0 < value <= MAX_HOLD_SECONDS:
+        raise ValueError(f"the cap on a shared rate-limit hold must be in (0, {MAX_HOLD_SECONDS:g}] seconds, "
+                         f"got {seconds!r}: a longer hold would freeze every sender of the account")
+    return value
+
+
+def bounded_hold(seconds: float, max_hold: float) -> float:
+    """``seconds`` clamped to ``[0, max_hold]`` (NaN -> ``max_hold``): what a hold may really be."""
+    if seconds != seconds:
+        return max_hold
+    return min(max(float(seconds), 0.0), max_hold)
 
 
 class Pacer(Protocol):
     """Claims request start slots for one provider account."""
 
     def claim(self) -> float:
-        """Claim the next slot; return seconds (>= 0) to wait before starting the request."""
+        """Claim the next slot; return seconds (>= 0) to wait, counted from the moment ``claim``
+        returns, before starting the request."""
         ...
 
     def push_back(self, seconds: float) -> None:
         """A 429 ``rate_limit_exceeded``: every sender of the account waits ``seconds`` from now
-        before its next request, and the shared rate is lowered (see the module docstring)."""
+        (at most the pacer's ``max_hold``) before its next request, and the shared rate is lowered
+        (see the module docstring)."""
         ...
 
     def observe(self, headers: Mapping[str, str], since_start: float = 0.0) -> None:
@@ -84,14 +149,17 @@ def spacing_for(requests_per_second: float, target_fraction: float, penalty: flo
 
 
 def parse_limit(headers: Mapping[str, str]) -> float | None:
-    """The ``ratelimit-limit`` header as requests/s (> 0), or None if absent or unusable."""
+    """The ``ratelimit-limit`` header as requests/s (>= 1), or None if absent or unusable.
+
+    A limit below 1 request/s is taken as 1: no provider documents one, and a tiny value (a broken
+    header) would otherwise space every sender's requests hours apart."""
     try:
         limit = float(headers.get("ratelimit-limit", "") or 0)
     except ValueError:
         return None
     if limit != limit or limit <= 0 or limit == float("inf"):
         return None
-    return limit
+    return max(limit, 1.0)
 
 
 def remaining_zero_hold(headers: Mapping[str, str], limit: float) -> float | None:
@@ -117,13 +185,25 @@ class PostgresPacer:
     :param requests_per_second: the operator's ceiling and first guess (Resend docs have said 2, 5
         and 10: configuration); a lower learned ``ratelimit-limit`` of the account wins.
     :param target_fraction: fraction of the cap to use (0 < f <= 1, default 0.8).
+    :param max_hold: the longest hold (s) of the schedule this pacer writes (see :func:`check_max_hold`).
 
-    ``requests_per_second`` and ``spacing`` are updated from the database at every claim.
+    ``requests_per_second`` and ``spacing`` are updated from the database at every claim;
+    ``forfeited`` counts slots given up because the database answered after they started,
+    ``late`` slots used late anyway (after :data:`MAX_FORFEITS`).
     """
 
     def __init__(self, connect: Callable[[], psycopg.Connection], account: str,
-                 requests_per_second: float, target_fraction: float = 0.8):
+                 requests_per_second: float, target_fraction: float = 0.8,
+                 max_hold: float = DEFAULT_MAX_HOLD_SECONDS):
         self.account = account
+        self.max_hold = check_max_hold(max_hold)
+        self.forfeited = 0
+        self.late = 0
+        self.probes = 0
+        # bounds on (database clock, epoch s) - time.monotonic(), each with the monotonic time it was proven
+        self._offset_lo = (-math.inf, 0.0)
+        self._offset_hi = (math.inf, 0.0)
+        self._rtts: deque[float] = deque(maxlen=LEAD_SAMPLES)
         self.configured = requests_per_second
         self.requests_per_second = requests_per_second
         self.target_fraction = target_fraction
@@ -141,31 +221,90 @@ class PostgresPacer:
             self._conn.autocommit = True
         return self._conn
 
+    def _learn_offset(self, db_epoch: float, sent: float, answered: float) -> None:
+        """One statement executed at ``db_epoch`` (database clock) between ``sent`` and ``answered``
+        (``time.monotonic()``): the offset lies in ``[db_epoch - answered, db_epoch - sent]``.
+        Older bounds widen by :data:`OFFSET_DRIFT` per second; a contradiction (the database's
+        clock was stepped) restarts from this sample."""
+        lo, lo_at = self._offset_lo
+        hi, hi_at = self._offset_hi
+        lo -= OFFSET_DRIFT * (answered - lo_at)
+        hi += OFFSET_DRIFT * (answered - hi_at)
+        new_lo, new_hi = db_epoch - answered, db_epoch - sent
+        if new_lo > hi or new_hi < lo:
+            lo, hi = -math.inf, math.inf
+        self._offset_lo = (new_lo, answered) if new_lo >= lo else (lo, answered)
+        self._offset_hi = (new_hi, answered) if new_hi <= hi else (hi, answered)
+
+    def _offset(self) -> tuple[float, float]:
+        """The offset estimate (database epoch s - ``time.monotonic()``) and its uncertainty (s)."""
+        lo, hi = self._offset_lo[0], self._offset_hi[0]
+        return (lo + hi) / 2.0, (hi - lo) / 2.0
+
+    def _calibrate(self, tolerance: float) -> None:
+        """Read the database clock a few more times while the offset is uncertain by more than half
+        the late tolerance (a slow database at start-up); each read can only tighten the bounds."""
+        for _ in range(CALIBRATION_PROBES):
+            if self._offset()[1] <= tolerance / 2.0:
+                return
+            sent = time.monotonic()
+            row = self._db().execute("select extract(epoch from clock_timestamp())::float8").fetchone()
+            answered = time.monotonic()
+            assert row is not None
+            self.probes += 1
+            self._learn_offset(float(row[0]), sent, answered)
+
     def claim(self) -> float:
+        """Claim the next slot (see the module docstring: computed on our clock, late slots forfeited).
+
+        :returns: seconds (>= 0) to wait from the moment this returns.
+        """
+        tolerance = late_tolerance(self.target_fraction)
         with self._lock:
-            row = self._db().execute(query("pacing", "claim_slot"),
-                                     {"account": self.account, "rps": float(self.configured),
-                                      "fraction": float(self.target_fraction),
-                                      "recovery": PENALTY_RECOVERY_SECONDS}).fetchone()
-        assert row is not None
-        slot, db_now, spacing, learned = row
+            self._calibrate(tolerance)
+            for forfeits in range(MAX_FORFEITS + 1):
+                lead = max(self._rtts, default=0.0)
+                sent = time.monotonic()
+                row = self._db().execute(query("pacing", "claim_slot"),
+                                         {"account": self.account, "rps": float(self.configured),
+                                          "fraction": float(self.target_fraction),
+                                          "recovery": PENALTY_RECOVERY_SECONDS, "lead": lead,
+                                          "horizon": self.max_hold + QUEUE_SECONDS}).fetchone()
+                answered = time.monotonic()
+                assert row is not None
+                slot, db_now, spacing, learned = row
+                self._rtts.append(answered - sent)
+                self._learn_offset(db_now.timestamp(), sent, answered)
+                start = slot.timestamp() - self._offset()[0]
+                if answered - start <= tolerance:
+                    break
+                if forfeits == MAX_FORFEITS:
+                    self.late += 1
+                    log.warning("pacer database on %s answered %.3f s after the claimed slot %d times in a row: "
+                                "using the late slot", self.account, answered - start, forfeits + 1)
+                    break
+                self.forfeited += 1
         self.spacing = float(spacing)
         self.learned_limit = None if learned is None else float(learned)
         self.requests_per_second = min(self.configured, self.learned_limit or self.configured)
-        return max((slot - db_now).total_seconds(), 0.0)
+        return max(start - time.monotonic(), 0.0)
 
     def peek(self) -> float:
-        """Seconds (>= 0) until the account's next slot would start if claimed now; claims nothing
-        (a read of ``mail.rate_slot``). The pipelined engine checks its budget with it."""
+        """Seconds (>= 0, at most ``max_hold`` + :data:`QUEUE_SECONDS`) until the account's next slot
+        would start if claimed now; claims nothing (a read of ``mail.rate_slot``). The pipelined
+        engine checks its budget with it."""
         with self._lock:
-            row = self._db().execute(query("pacing", "peek_slot"), {"account": self.account}).fetchone()
+            row = self._db().execute(query("pacing", "peek_slot"),
+                                     {"account": self.account, "horizon": self.max_hold + QUEUE_SECONDS}).fetchone()
         return max(float(row[0]), 0.0) if row is not None and row[0] is not None else 0.0
 
     def push_back(self, seconds: float) -> None:
+        hold = bounded_hold(seconds, self.max_hold)
         with self._lock:
             self._db().execute(query("pacing", "rate_limited"),
-                               {"account": self.account, "seconds": float(seconds), "step": PENALTY_STEP,
-                                "max_penalty": MAX_PENALTY, "recovery": PENALTY_RECOVERY_SECONDS})
+                               {"account": self.account, "seconds": hold, "step": PENALTY_STEP,
+                                "max_penalty": MAX_PENALTY, "recovery": PENALTY_RECOVERY_SECONDS,
+                                "max_hold": self.max_hold})
 
     def observe(self, headers: Mapping[str, str], since_start: float = 0.0) -> None:
         limit = parse_limit(headers)
@@ -181,8 +320,9 @@ class PostgresPacer:
         hold = remaining_zero_hold(headers, self.learned_limit or self.requests_per_second)
         if hold is not None and hold > since_start:
             with self._lock:
-                self._db().execute(query("pacing", "push_back"), {"account": self.account,
-                                                                  "seconds": hold - since_start})
+                self._db().execute(query("pacing", "push_back"), {
+                    "account": self.account, "seconds": bounded_hold(hold - since_start, self.max_hold),
+                    "max_hold": self.max_hold})
 
     def learned(self) -> dict[str, object] | None:
         """The account's row: ``limit_per_second`` (requests/s or None), ``penalty_now`` (0-0.5),
@@ -206,7 +346,9 @@ class LocalPacer:
     """In-process slot schedule (thread-safe) for a single sender; same rules as PostgresPacer,
     on ``clock.monotonic()``."""
 
-    def __init__(self, requests_per_second: float, target_fraction: float = 0.8, clock: Clock | None = None):
+    def __init__(self, requests_per_second: float, target_fraction: float = 0.8, clock: Clock | None = None,
+                 max_hold: float = DEFAULT_MAX_HOLD_SECONDS):
+        self.max_hold = check_max_hold(max_hold)
         self.configured = requests_per_second
         self.requests_per_second = requests_per_second
         self.target_fraction = target_fraction
@@ -239,7 +381,7 @@ class LocalPacer:
 
     def _hold(self, seconds: float) -> None:
         with self._lock:
-            self._next = max(self._next, self.clock.monotonic() + seconds)
+            self._next = max(self._next, self.clock.monotonic() + bounded_hold(seconds, self.max_hold))
 
     def push_back(self, seconds: float) -> None:
         self._hold(seconds)

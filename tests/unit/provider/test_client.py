@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mailflow.provider.client import ResendClient, RetryPolicy, parse_retry_after
+from mailflow.provider.client import SLOT_GRACE_SECONDS, ResendClient, RetryPolicy, parse_retry_after
 from mailflow.provider.pacing import LocalPacer
 from mailflow.sendloop.clock import FakeClock
 from mailflow.sendloop.outcome import Accepted, NotSent, PreparedBatch, Refused, Unknown
@@ -164,17 +164,20 @@ def test_retry_after_beyond_the_deadline_stops_the_run_without_sleeping_past_it(
 def test_retry_after_above_max_retry_after_stops_the_run_as_rate_limited() -> None:
     rig = Rig(err(429, "rate_limit_exceeded", "slow down", **{"retry-after": "61"}))
     out = rig.send()
-    assert out == NotSent(reason="rate limited for 61 s: HTTP 429 rate_limit_exceeded: slow down",
-                          stop_run="rate limited")
+    assert out == NotSent(reason="rate limited: the provider asked for a wait of 61 s (Retry-After '61'), above "
+                                 "the 60 s cap (HTTP 429 rate_limit_exceeded: slow down)",
+                          stop_run="rate limited", fatal=True)
     assert rig.clock.sleeps == [0.0]
     assert len(rig.requests) == 1
+    assert rig.pacer.claim() == 60.0  # every other sender is held the cap, not the 61 s asked
 
 
 def test_pacer_wait_past_the_deadline_makes_no_request() -> None:
     rig = Rig()
     rig.pacer.push_back(30.0)
     out = rig.send(deadline=20.0)
-    assert out == NotSent(reason="time budget reached before attempt 1 (no attempt made)", stop_run="time budget")
+    assert out == NotSent(reason="time budget reached before attempt 1: the next request slot starts 10.0 s after "
+                                 "the deadline (no attempt made)", stop_run="time budget")
     assert rig.requests == [] and rig.clock.sleeps == []
 
 
@@ -302,12 +305,12 @@ def test_peek_slot_predicts_the_next_slot_without_claiming_it() -> None:
     assert rig.requests == []
 
 
-def test_claim_at_send_claims_the_slot_then_and_ignores_the_budget_for_the_first_attempt() -> None:
+def test_claim_at_send_claims_the_slot_then_and_allows_the_first_attempt_a_grace_past_the_budget() -> None:
     # the pipelined engine checked the budget with peek_slot before minting; the sender claims the
-    # slot right before the request and never abandons a minted chunk for the budget
+    # slot right before the request and does not abandon a minted chunk whose slot is a few slots late
     rig = Rig(httpx.Response(200, json=OK), httpx.Response(200, json=OK), rps=0.1)
     rig.client.reserve_slot(deadline=100.0)  # another sender took the slot at 0; the next is at 12.5
-    out = rig.client.send_batch(BATCH, 5.0, claim_at_send=True)
+    out = rig.client.send_batch(BATCH, 12.5 - SLOT_GRACE_SECONDS, claim_at_send=True)
     assert isinstance(out, Accepted) and len(rig.requests) == 1
     assert rig.clock.sleeps == [pytest.approx(12.5)]
     assert rig.client.stats["late_slots"] == 0
