@@ -72,7 +72,7 @@ def test_settings_and_test_connection_ok(resend_conn: str, emulator) -> None:
     s = hook.settings()
     assert s == {"base_url": emulator.base_url, "requests_per_second": 4.0, "target_fraction": 0.5,
                  "batch_validation": "strict", "timeout_seconds": 30.0, "connect_timeout_seconds": 5.0,
-                 "pacer_conn_id": "send_log_db"}
+                 "pacer_conn_id": "send_log_db", "max_retry_after_seconds": 60.0}
     ok, message = hook.test_connection()
     assert ok is True
     assert message == (f"API key accepted by {emulator.base_url} with full access: every DAG can use connection "

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suppress", action="append", default=[], help="address whose last_event is suppressed")
     p.add_argument("--fail", action="append", default=[], help="address whose last_event is failed")
     p.add_argument("--retry-after-style", choices=("seconds", "fraction", "http-date"), default="seconds")
+    p.add_argument("--date-skew-seconds", type=float, default=0.0, help="the Date header runs N s ahead")
+    p.add_argument("--retry-after-value", default="", help="literal Retry-After of every 429 rate limit")
+    p.add_argument("--rate-limited-rate", type=float, default=0.0, help="429 rate_limit_exceeded before processing")
     p.add_argument("--no-store-bodies", dest="store_bodies", action="store_false")
     p.add_argument("--domain", default="mailflow.example", help="the verified sending domain")
     p.add_argument("--restricted-keys", action="append", default=[], dest="restricted_keys",
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         bounce=tuple(args.bounce), complain=tuple(args.complain), suppress=tuple(args.suppress),
         fail=tuple(args.fail),
         error_after_rate=args.error_after_rate, error_after_status=args.error_after_status, outage=args.outage,
-        retry_after_style=args.retry_after_style, store_bodies=args.store_bodies, domain=args.domain,
+        retry_after_style=args.retry_after_style, date_skew_seconds=args.date_skew_seconds,
+        retry_after_value=args.retry_after_value, rate_limited_rate=args.rate_limited_rate, store_bodies=args.store_bodies, domain=args.domain,
         seed=args.seed, idempotency_store=args.idempotency_store,
         restricted_keys=tuple(args.restricted_keys), check_from_domain=args.check_from_domain,
         test_only=args.test_only, owner_email=args.owner_email,
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=2,
-        lifespan="off",
+        lifespan="off", date_header=False,  # the app sends Date from its own (possibly skewed) clock
     ))
     logging.getLogger("uvicorn.error").addFilter(_DropAbortNoise())
     shown = f"[{host}]" if ":" in host else host

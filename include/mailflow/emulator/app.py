@@ -190,6 +190,10 @@ class Emulator:
         key = auth[7:].strip()
         if key not in self.cfg.api_keys and key not in self.cfg.restricted_keys:
             raise ApiError(403, "invalid_api_key", "API key is invalid")
+        if self.chance(self.cfg.rate_limited_rate):
+            raise ApiError(429, "rate_limit_exceeded", "Too many requests. Emulated rate limit.",
+                           {"ratelimit-limit": str(max(1, int(self.cfg.rate_limit or 10))),
+                            "ratelimit-remaining": "0", "ratelimit-reset": "1", "retry-after": self._retry_after(1.0)})
         limit = self.cfg.rate_limit
         if limit <= 0:
             return key, {}
@@ -210,12 +214,18 @@ class Emulator:
         return key, {"ratelimit-limit": str(cap), "ratelimit-remaining": str(cap - len(window)),
                      "ratelimit-reset": str(max(1, math.ceil(reset)))}
 
+    def provider_now(self) -> float:
+        """The provider's clock (epoch s): the emulator's clock plus ``date_skew_seconds``."""
+        return self.now() + self.cfg.date_skew_seconds
+
     def _retry_after(self, seconds: float) -> str:
         style = self.cfg.retry_after_style
+        if self.cfg.retry_after_value:
+            return self.cfg.retry_after_value
         if style == "fraction":
             return f"{max(seconds, 0.001):.3f}"
         if style == "http-date":
-            return formatdate(self.now() + max(1, math.ceil(seconds)), usegmt=True)
+            return formatdate(self.provider_now() + max(1, math.ceil(seconds)), usegmt=True)
         return str(max(1, math.ceil(seconds)))
 
     async def latency(self) -> None:
@@ -224,7 +234,13 @@ class Emulator:
             await asyncio.sleep(delay / 1000.0)
 
     async def api(self, request: Request, handler: Any) -> Response:
-        """Common envelope: auth, rate limit, injected timeout and latency, errors, stats."""
+        """Common envelope: auth, rate limit, injected timeout and latency, errors, stats; every
+        answer carries ``Date`` from the provider's clock (:meth:`provider_now`)."""
+        response = await self._api(request, handler)
+        response.headers["date"] = formatdate(self.provider_now(), usegmt=True)
+        return response
+
+    async def _api(self, request: Request, handler: Any) -> Response:
         rl: dict[str, str] = {}
         try:
             key, rl = self.admit(request)

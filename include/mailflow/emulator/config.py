@@ -43,6 +43,12 @@ class EmulatorConfig:
     suppress: tuple[str, ...] = ()  # (runtime) recipients on the account's suppression list: last_event "suppressed"
     fail: tuple[str, ...] = ()  # (runtime) recipients whose email failed to send: last_event "failed"
     retry_after_style: str = "seconds"  # (runtime) "seconds" | "fraction" | "http-date" (contract)
+    # Provider headers a client must bound (all off by default):
+    date_skew_seconds: float = 0.0  # (runtime) the provider's clock runs this far ahead (negative: behind):
+    #   the Date header and an http-date Retry-After both come from it
+    retry_after_value: str = ""  # (runtime) the literal Retry-After of every 429 rate_limit_exceeded
+    #   (e.g. "100000000", "1e300"); "" = computed from the window in retry_after_style
+    rate_limited_rate: float = 0.0  # (runtime) requests answered 429 rate_limit_exceeded before processing
     store_bodies: bool = True  # (runtime) keep html/text in memory for GET /emails/{id}
     domain: str = "mailflow.example"  # the one fake verified domain of GET /domains ("" = none)
     # Key types and domain checks (contract "Errors"; all off by default):
@@ -79,6 +85,7 @@ _RUNTIME = {
     "bounce", "complain", "retry_after_style", "store_bodies", "seed",
     "restricted_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
     "error_after_rate", "error_after_status", "outage",
+    "date_skew_seconds", "retry_after_value", "rate_limited_rate",
 }
 _CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date"),
             "error_after_status": (500, 502, 503, 504)}
@@ -102,6 +109,13 @@ def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig
                      "outage"):
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be a boolean")
+        elif key == "retry_after_value":
+            if not isinstance(value, str) or len(value) > 200:
+                raise ValueError("retry_after_value must be a string (at most 200 characters)")
+        elif key == "date_skew_seconds":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not abs(value) < 1e9:
+                raise ValueError("date_skew_seconds must be a number of seconds (negative: behind)")
+            value = float(value)
         elif key in _CHOICES:
             if value not in _CHOICES[key]:
                 raise ValueError(f"{key} must be one of {_CHOICES[key]}")

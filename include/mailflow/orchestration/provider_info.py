@@ -47,6 +47,12 @@ def get_provider_info() -> dict[str, Any]:
                         "label": "Connect timeout (s)",
                         "schema": {"type": ["number", "null"], "default": 5},
                     },
+                    "max_retry_after_seconds": {
+                        "label": "Longest rate-limit wait (s)",
+                        "description": "A Retry-After above this stops the run with an alert; every sender "
+                                       "is held at most this long (default 60, at most 120).",
+                        "schema": {"type": ["number", "null"], "default": 60},
+                    },
                     "pacer_conn_id": {
                         "label": "Shared pacing database connection",
                         "description": "Postgres connection holding mail.rate_slot (default send_log_db).",

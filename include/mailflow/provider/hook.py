@@ -2,7 +2,8 @@
 
 Connection: host = API base URL (default ``https://api.resend.com``), password = API key; extras
 ``requests_per_second``, ``target_fraction``, ``batch_validation``, ``timeout_seconds``,
-``connect_timeout_seconds``, ``pacer_conn_id``. The connection is resolved lazily in
+``connect_timeout_seconds``, ``pacer_conn_id``, ``max_retry_after_seconds`` (the cap on a shared
+rate-limit hold, default 60, at most 120). The connection is resolved lazily in
 :meth:`ResendHook.get_conn`; the API key never leaves the client's Authorization header.
 """
 
@@ -16,7 +17,7 @@ import psycopg
 from airflow.sdk import BaseHook
 
 from mailflow.provider.client import ResendClient, RetryPolicy
-from mailflow.provider.pacing import Pacer, PostgresPacer
+from mailflow.provider.pacing import DEFAULT_MAX_HOLD_SECONDS, Pacer, PostgresPacer, check_max_hold
 from mailflow.sendloop.clock import Clock
 
 DEFAULT_BASE_URL = "https://api.resend.com"
@@ -49,9 +50,12 @@ class ResendHook(BaseHook):
 
     def settings(self) -> dict[str, Any]:
         """Connection settings with defaults applied (no secret): base_url, requests_per_second
-        (float, requests/s), target_fraction (0-1], batch_validation, timeouts (s), pacer_conn_id.
+        (float, requests/s), target_fraction (0-1], batch_validation, timeouts (s), pacer_conn_id,
+        max_retry_after_seconds (s: a longer Retry-After stops the run with an alert; every sender is
+        held at most this long).
 
-        :raises ValueError: if the connection has no API key, naming the connection.
+        :raises ValueError: if the connection has no API key, naming the connection, or the cap is
+            outside ``(0, pacing.MAX_HOLD_SECONDS]``.
         """
         conn = self._connection()
         if not conn.password:
@@ -68,6 +72,8 @@ class ResendHook(BaseHook):
             "timeout_seconds": float(extra.get("timeout_seconds") or 30),
             "connect_timeout_seconds": float(extra.get("connect_timeout_seconds") or 5),
             "pacer_conn_id": str(extra.get("pacer_conn_id") or "send_log_db"),
+            "max_retry_after_seconds": check_max_hold(extra.get("max_retry_after_seconds")
+                                                      or DEFAULT_MAX_HOLD_SECONDS),
         }
 
     def shared_pacer(self) -> PostgresPacer:
@@ -81,7 +87,8 @@ class ResendHook(BaseHook):
         mask_connection(pg.get_connection(s["pacer_conn_id"]))  # its password never reaches a log
         connect = cast("Callable[[], psycopg.Connection]", pg.get_conn)
         return PostgresPacer(connect, account=s["base_url"],
-                             requests_per_second=s["requests_per_second"], target_fraction=s["target_fraction"])
+                             requests_per_second=s["requests_per_second"], target_fraction=s["target_fraction"],
+                             max_hold=s["max_retry_after_seconds"])
 
     def get_conn(self, pacer: Pacer | None = None, clock: Clock | None = None,
                  policy: RetryPolicy | None = None) -> ResendClient:
@@ -94,7 +101,8 @@ class ResendHook(BaseHook):
             conn = self._connection()
             self._client = ResendClient(
                 s["base_url"], str(conn.password), pacer=pacer or self.shared_pacer(), clock=clock,
-                validation=s["batch_validation"], policy=policy, conn_id=self.resend_conn_id,
+                validation=s["batch_validation"], conn_id=self.resend_conn_id,
+                policy=policy or RetryPolicy(max_retry_after=s["max_retry_after_seconds"]),
                 timeout=httpx.Timeout(s["timeout_seconds"], connect=s["connect_timeout_seconds"]),
             )
         return self._client

@@ -535,3 +535,91 @@ def test_a_reserved_slot_missed_by_more_than_the_tolerance_is_forfeited_for_the_
     assert rig.client.stats["late_slots"] == 1
     assert rig.clock.sleeps == [0.0, 0.0]  # a fresh slot: the schedule's next one (0.25) is already past
     assert rig.pacer.claim() == pytest.approx(0.125)  # and the schedule moved on from it (0.4 + 0.125)
+
+
+# -- provider headers are bounded -----------------------------------------------------------------
+
+def test_skewed_http_date_retry_after_is_measured_against_the_response_date_header() -> None:
+    # the provider's clock runs 10 min ahead of ours: "retry in 1 s" by its own Date, not 601 s by ours
+    clock = FakeClock(start=0.0)
+    theirs = clock.now() + timedelta(seconds=600)
+    date, header = format_datetime(theirs, usegmt=True), format_datetime(theirs + timedelta(seconds=1), usegmt=True)
+    assert parse_retry_after(header, clock, date) == 1.0
+    assert parse_retry_after(header, clock, "not a date") == 601.0  # Date unusable: our clock is all there is
+    assert parse_retry_after(header, clock) == 601.0
+
+    rig = Rig(err(429, "rate_limit_exceeded", "slow down", **{"retry-after": header, "date": date}),
+              httpx.Response(200, json=OK))
+    out = rig.send(deadline=30.0)
+    assert isinstance(out, Accepted)
+    assert rig.clock.sleeps == [0.0, 1.0]  # one second, as the provider meant
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ("1e300", None),                                  # not delta-seconds: garbage, backoff
+    ("100000000", 366 * 86400.0),                     # valid and absurd (3 years): the ceiling; the cap decides
+    ("9" * 400, 366 * 86400.0),                       # overflows a float: the ceiling, never inf
+    ("Fri, 31 Dec 9999 23:59:59 GMT", 366 * 86400.0),  # an HTTP-date far away: the ceiling
+    ("Sat, 01 Jan 10000 00:00:00 GMT", None),         # beyond datetime: garbage
+    ("Thu, 01 Jan 1970 00:00:00 GMT", 0.0),           # in the past: now
+    ("+5", None), ("5e1", None), ("0x10", None), ("1_0", None), ("infinity", None),
+])
+def test_retry_after_overflow_and_garbage_never_raise_and_stay_in_range(value: str, seconds: float | None) -> None:
+    assert parse_retry_after(value, FakeClock(), "Thu, 01 Jan 2026 00:00:00 GMT") == seconds
+
+
+@pytest.mark.parametrize("value", ["100000000", "9" * 400, "Fri, 31 Dec 9999 23:59:59 GMT"])
+def test_absurd_retry_after_stops_the_run_with_an_alert_and_holds_others_only_the_cap(value: str) -> None:
+    rig = Rig(err(429, "rate_limit_exceeded", "slow down", **{"retry-after": value}))
+    out = rig.send()
+    assert isinstance(out, NotSent) and out.stop_run == "rate limited" and out.fatal is True
+    assert "above the 60 s cap" in out.reason
+    assert rig.clock.sleeps == [0.0] and len(rig.requests) == 1
+    assert rig.pacer.claim() == 60.0  # every other sender: frozen for the cap, not for years
+
+
+def test_unparseable_retry_after_1e300_never_raises_and_backs_off() -> None:
+    rig = Rig(err(429, "rate_limit_exceeded", "slow down", **{"retry-after": "1e300"}), httpx.Response(200, json=OK),
+              rps=1000)
+    out = rig.send()
+    assert isinstance(out, Accepted)
+    [b1] = backoffs(1)
+    assert rig.clock.sleeps == [0.0, b1]
+
+
+def test_shared_hold_is_never_pushed_back_past_the_cap() -> None:
+    pacer = LocalPacer(10.0, clock=FakeClock())
+    for seconds in (1e300, float("inf"), float("nan"), 100000000.0):
+        pacer.push_back(seconds)
+    assert pacer.claim() == 60.0
+    assert LocalPacer(10.0, clock=FakeClock(), max_hold=5.0).max_hold == 5.0
+    for cap in (0.0, -1.0, 121.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="cap on a shared rate-limit hold"):
+            RetryPolicy(max_retry_after=cap)
+
+
+def test_a_shared_hold_past_the_budget_is_never_slept_by_the_pipelined_sender() -> None:
+    # another sender's 429 pushed the shared schedule back 60 s (the cap); this run has 30 s of budget
+    rig = Rig(httpx.Response(200, json=OK))
+    rig.pacer.push_back(60.0)
+    out = rig.client.send_batch(BATCH, 30.0, claim_at_send=True)
+    assert out == NotSent(reason="time budget reached before attempt 1: the next request slot starts 30.0 s after "
+                                 "the deadline (no attempt made)", stop_run="time budget")
+    assert rig.clock.sleeps == [] and rig.requests == []
+    # a reserved slot that passed is claimed again under the same rule
+    rig2 = Rig(httpx.Response(200, json=OK))
+    slot = rig2.client.reserve_slot(deadline=30.0)
+    rig2.clock.advance(1.0)
+    rig2.pacer.push_back(60.0)
+    out2 = rig2.client.send_batch(BATCH, 30.0, slot)
+    assert isinstance(out2, NotSent) and out2.stop_run == "time budget"
+    assert rig2.clock.sleeps == [] and rig2.requests == [] and rig2.client.stats["late_slots"] == 1
+
+
+def test_rate_limit_retries_exhausted_stop_as_rate_limited() -> None:
+    rig = Rig(*(err(429, "rate_limit_exceeded", "slow down", **{"retry-after": "1"}) for _ in range(3)),
+              max_attempts=3)
+    out = rig.send()
+    assert out == NotSent(reason="gave up after 3 attempts: HTTP 429 rate_limit_exceeded: slow down",
+                          stop_run="rate limited")
+    assert len(rig.requests) == 3
