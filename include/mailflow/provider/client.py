@@ -312,10 +312,11 @@ class ResendClient:
                     # every sender of the account waits, not just us; never longer than the cap
                     self.pacer.push_back(min(delay, cap))
                     if delay > cap:
-                        log.error("%s asked every sender to wait %.0f s (Retry-After %r, Date %r), above the "
+                        asked = "over a year" if delay >= RETRY_AFTER_CEILING else f"{delay:.0f} s"
+                        log.error("%s asked every sender to wait %s (Retry-After %r, Date %r), above the "
                                   "%g s cap: the run stops; the shared schedule is held %g s", self.conn_id,
-                                  delay, header, resp.headers.get("date"), cap, cap)
-                        return give_up(f"rate limited: the provider asked for a wait of {delay:.0f} s "
+                                  asked, header, resp.headers.get("date"), cap, cap)
+                        return give_up(f"rate limited: the provider asked for a wait of {asked} "
                                        f"(Retry-After {header!r}), above the {cap:g} s cap ({last})",
                                        stop="rate limited", fatal=True)
                     if self.clock.monotonic() + delay > deadline:
