@@ -174,7 +174,7 @@ class PacedReader:
                 last = f"HTTP {status}: {resp.text[:200]}"
                 if status == 429:
                     c.stats["429"] += 1
-                    delay = parse_retry_after(resp.headers.get("retry-after"), c.clock)
+                    delay = parse_retry_after(resp.headers.get("retry-after"), c.clock, resp.headers.get("date"))
                     if delay is None:
                         delay = c.policy.backoff(attempt, c.rng)
                     c.pacer.push_back(delay)  # every sender of the account waits, not just us

@@ -81,6 +81,9 @@ QUEUE_SECONDS = 10.0
 #: Uncertainty (s) a bound on the database clock's offset gains per second of age (clock drift and
 #: slewing: 1 ms/s is twice NTP's 500 ppm slew limit).
 OFFSET_DRIFT = 1e-3
+#: The least lateness (s) a claim accepts before forfeiting a slot, whatever the target fraction (at
+#: 1.0 the fraction leaves no slack at all; a round trip to a local database takes about 1 ms).
+MIN_LATE_TOLERANCE = 0.01
 #: Late slots one claim forfeits in a row at most (then it uses the next one and counts it late).
 MAX_FORFEITS = 8
 #: Extra reads of the database clock a claim takes at most while the offset is still uncertain.
@@ -252,6 +255,7 @@ class PostgresPacer:
             answered = time.monotonic()
             assert row is not None
             self.probes += 1
+            self._rtts.append(answered - sent)
             self._learn_offset(float(row[0]), sent, answered)
 
     def claim(self) -> float:
@@ -259,7 +263,7 @@ class PostgresPacer:
 
         :returns: seconds (>= 0) to wait from the moment this returns.
         """
-        tolerance = late_tolerance(self.target_fraction)
+        tolerance = max(late_tolerance(self.target_fraction), MIN_LATE_TOLERANCE)
         with self._lock:
             self._calibrate(tolerance)
             for forfeits in range(MAX_FORFEITS + 1):

@@ -75,7 +75,7 @@ def test_a_new_process_starts_from_the_learned_limit_not_the_connection_default(
     assert fresh["learned_limit"] == 2.0
     assert fresh["requests_per_second"] == 2.0
     assert fresh["spacing"] == pytest.approx(1 / (2 * 0.8))
-    gaps = [b - a for a, b in zip(fresh["waits"], fresh["waits"][1:], strict=False)]
+    gaps = [b - a for a, b in zip(fresh["slot_at"], fresh["slot_at"][1:], strict=False)]
     assert gaps == [pytest.approx(0.625, abs=0.05)] * 2  # 1.6 requests/s, not 8
     # a configured ceiling below the learned limit still wins (the operator's choice)
     low = probe_in_new_process(dsn=db_dsn, account=account, requests_per_second=1.0, target_fraction=1.0, claims=1)
@@ -113,7 +113,7 @@ def test_a_429_is_stored_and_slows_every_new_process(db_dsn: str) -> None:
     # from the new interpreter's start (which alone can take over a second on a loaded machine)
     assert fresh["slot_at"][0] - pushed_at >= 2.0 - 0.02
     assert fresh["spacing"] == pytest.approx(1 / (10 * 0.9), rel=0.01)  # 9 requests/s while the penalty lasts
-    assert fresh["waits"][1] - fresh["waits"][0] == pytest.approx(1 / 9, abs=0.03)
+    assert fresh["slot_at"][1] - fresh["slot_at"][0] == pytest.approx(1 / 9, abs=0.03)
 
 
 def test_four_fresh_processes_start_from_the_rate_the_provider_taught(tmp_path: Path, db_dsn: str) -> None:
