@@ -18,7 +18,9 @@ With the defaults (5 attempts, connect 5 s, timeout 30 s, backoff 0.5/1/2/4 s): 
 332.5 s, rounded up to 333 s. This does not rely on the client's own deadline checks (which keep
 waits, but not a request in flight, inside the deadline), so it holds for any chunk that starts
 just before the budget ends. ``SETUP_SECONDS`` (60 s) covers what a task does outside chunks:
-connections, the schema check, the audience query of a chunk and applying its outcome.
+connections, the schema check, the audience query of a chunk and applying its outcome, and the
+first request's wait for its slot past the budget (at most ``SLOT_GRACE_SECONDS`` = 5 s,
+``mailflow.provider.client``: a later slot, a hold of the shared schedule, is not waited for).
 
 Params: each DAG's ``time_budget_seconds`` has a ``maximum`` computed here from the task's
 ``execution_timeout`` and the default connection settings, so the trigger form and the REST API

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import psycopg
@@ -77,10 +79,38 @@ def _renderer() -> Renderer:
     return Renderer(signer_from_secret("chaos-secret-0123456789"), "https://mail.example.com", "https://app.example.com")
 
 
+class _SlowConnection:
+    """A psycopg connection whose every statement answers 0-0.5 s late (random, split between the
+    way to the server and the way back): a pacer database under load."""
+
+    def __init__(self, conn: psycopg.Connection):
+        object.__setattr__(self, "_conn", conn)
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        delay = random.uniform(0.0, 0.5)
+        before = delay * random.random()
+        time.sleep(before)
+        cur = self._conn.execute(*args, **kwargs)
+        time.sleep(delay - before)
+        return cur
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._conn, name, value)
+
+
+def _pacer_connect(spec: ActorSpec) -> Callable[[], psycopg.Connection]:
+    if spec.slow_pacer:
+        return lambda: cast(psycopg.Connection, _SlowConnection(psycopg.connect(spec.dsn)))
+    return lambda: psycopg.connect(spec.dsn)
+
+
 def _client(spec: ActorSpec, clock: Clock) -> ResendClient:
     # Each actor paces on its own account name (as three misconfigured deployments would): only the
     # provider's team-wide limit holds them together.
-    pacer = PostgresPacer(lambda: psycopg.connect(spec.dsn), f"chaos-{spec.actor}",
+    pacer = PostgresPacer(_pacer_connect(spec), f"chaos-{spec.actor}",
                           requests_per_second=10 if spec.sim_seconds is None else 500, target_fraction=1.0)
     return ResendClient(spec.base_url, spec.api_key, pacer=pacer, clock=clock,
                         validation="strict" if spec.strict else "permissive",

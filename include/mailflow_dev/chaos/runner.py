@@ -78,7 +78,8 @@ class Runner:
         return ActorSpec(actor=actor, dsn=self.dsn, base_url=self.base_url, api_key=self.scn.key,
                          strict=self.scn.strict, campaigns=self.campaigns,
                          sim_seconds=None if self.scn.real_clock else self.sim, chunk_size=self.chunk_size,
-                         run_id=f"{self.scn.name}-{self.n}", error_log=str(self.error_log))
+                         run_id=f"{self.scn.name}-{self.n}", error_log=str(self.error_log),
+                         slow_pacer=self.scn.slow_pacer)
 
     def plan(self, actor: str, first_chunk: bool) -> Plan:
         """A random kill point; ``first_chunk``: at the first batch (runs that stop after one)."""
@@ -88,6 +89,8 @@ class Runner:
     def run(self, actor: str, kill: bool, first_chunk: bool = False) -> int:
         if self.scn.status_cycle:
             self.emu.configure(error_after_status=self.rng.choice(self.scn.status_cycle))
+        if self.scn.per_run:
+            self.emu.configure(**self.rng.choice(self.scn.per_run))
         plan = self.plan(actor, first_chunk) if kill else None
         code = fork_actor(self.spec(actor), plan)
         r = self.report

@@ -48,6 +48,8 @@ class Scenario:
     real_clock: bool = False
     weight: float = 1.0
     status_cycle: tuple[int, ...] = ()  # error_after_status drawn per run from these
+    per_run: tuple[dict[str, Any], ...] = ()  # emulator settings drawn per run from these
+    slow_pacer: bool = False  # the actors' pacer database answers every statement 0-0.5 s late
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -77,12 +79,21 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("mixed", "every fault above at a low rate at once",
              {"error_rate": 0.05, "error_after_rate": 0.05, "reset_after_accept_rate": 0.05, "timeout_rate": 0.05,
               "hang_seconds": HANG_SECONDS, "scramble_order": True}, status_cycle=(500, 502, 503, 504), weight=1.5),
+    Scenario("skewed_retry_after_date", "429s whose Retry-After is an HTTP-date 1 s ahead by a clock 10 min fast",
+             {"rate_limited_rate": 0.3, "retry_after_style": "http-date", "date_skew_seconds": 600}, weight=0.7),
+    Scenario("absurd_retry_after", "429s asking for years (100000000, an overflowing number, year 9999) or 1e300",
+             {"rate_limited_rate": 0.2}, weight=0.7,
+             per_run=({"retry_after_value": "100000000"}, {"retry_after_value": "1e300"},
+                      {"retry_after_value": "9" * 150}, {"retry_after_value": "Fri, 31 Dec 9999 23:59:59 GMT"})),
+    Scenario("slow_pacer_db", "the actors' pacer database answers 0-0.5 s late; 10 requests/s per team",
+             {"rate_limit": 10}, real_clock=True, slow_pacer=True, weight=0.5),
 )
 
 FAULTS_OFF: dict[str, Any] = {
     "error_rate": 0.0, "error_after_rate": 0.0, "reset_after_accept_rate": 0.0, "timeout_rate": 0.0,
     "outage": False, "quota_emails": None, "rate_limit": 0, "scramble_order": False, "check_from_domain": False,
     "suppress": [], "fail": [], "reset_mode": "abort", "hang_seconds": HANG_SECONDS,
+    "rate_limited_rate": 0.0, "retry_after_value": "", "date_skew_seconds": 0.0, "retry_after_style": "seconds",
 }
 
 
@@ -110,6 +121,7 @@ class ActorSpec:
     chunk_size: int
     run_id: str
     error_log: str
+    slow_pacer: bool = False
 
 
 def _scenario_faults(scn: Scenario, emails: list[str], rng: random.Random) -> dict[str, Any]:
