@@ -53,7 +53,9 @@ def peek_slot(provider: object, deadline: float) -> float | None:
     ``peek_slot`` (:meth:`mailflow.provider.client.ResendClient.peek_slot`); the pipelined lifecycle
     engine checks the budget with it before a mint and claims the slot right before the send.
     Another sender may claim the predicted slot meanwhile: the chunk then starts a slot or a few
-    later, past the budget by at most that (a minted chunk is always sent)."""
+    later, past the budget by at most that; a slot more than ``SLOT_GRACE_SECONDS`` past the budget
+    (a hold after someone's 429) is not waited for: the chunk is released uncharged (``time budget``,
+    :meth:`mailflow.provider.client.ResendClient.send_batch`)."""
     start: float | None = provider.peek_slot(deadline)  # type: ignore[attr-defined]
     return start
 
