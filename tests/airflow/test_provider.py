@@ -49,7 +49,8 @@ def test_hook_meta_labels_the_password_as_api_key() -> None:
     assert (fields.host.title, fields.host.placeholder) == ("API base URL", "https://api.resend.com")
     assert fields.login.hidden is True and fields.port.hidden is True
     assert set(meta.extra_fields) == {"requests_per_second", "target_fraction", "batch_validation",
-                                      "timeout_seconds", "connect_timeout_seconds", "pacer_conn_id"}
+                                      "timeout_seconds", "connect_timeout_seconds", "pacer_conn_id",
+                                      "max_retry_after_seconds"}
 
 
 def test_hook_shape() -> None:
