@@ -15,6 +15,7 @@ email of a run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -138,8 +139,14 @@ def subject_template(text: str) -> jinja2.Template:
     :raises UnsafeTemplateError: if the subject tries to leave the sandbox.
     :raises jinja2.TemplateSyntaxError: if ``text`` is not a valid template.
     """
-    check_template(text, "subject")
+    _check_cached(text, "subject", None, 0)
     return sandboxed_env().from_string(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_cached(source: str, name: str, directory: str | None, stamp: int) -> None:
+    """:func:`check_template` once per (text, directory state): loading campaigns compiles nothing twice."""
+    check_template(source, name, jinja2.FileSystemLoader(directory) if directory else None)
 
 
 def check_campaign_templates(label: str, subject: str, template: str, templates_dir: Path) -> None:
@@ -150,13 +157,14 @@ def check_campaign_templates(label: str, subject: str, template: str, templates_
     :raises ValueError: ``campaign '<label>': <field> ...`` naming the field (``subject`` or the
         template file) and what it reached for, or the syntax error.
     """
-    loader = jinja2.FileSystemLoader(str(templates_dir))
-    fields: list[tuple[str, str, jinja2.BaseLoader | None]] = [("subject", subject, None)]
-    fields += [(f"template {template}{suffix}", (templates_dir / f"{template}{suffix}").read_text(encoding="utf-8"), loader)
-               for suffix in (".html.j2", ".txt.j2")]
-    for field, source, field_loader in fields:
+    # a template's layouts can change only with a file of the directory: their newest mtime is part of the key
+    stamp = max((f.stat().st_mtime_ns for f in templates_dir.iterdir() if f.is_file()), default=0)
+    fields: list[tuple[str, str, str | None]] = [("subject", subject, None)]
+    fields += [(f"template {template}{suffix}", (templates_dir / f"{template}{suffix}").read_text(encoding="utf-8"),
+                str(templates_dir)) for suffix in (".html.j2", ".txt.j2")]
+    for field, source, directory in fields:
         try:
-            check_template(source, field.removeprefix("template "), field_loader)
+            _check_cached(source, field.removeprefix("template "), directory, stamp if directory else 0)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"campaign {label!r}: {field} is not a valid Jinja template: {exc}") from None
         except UnsafeTemplateError as exc:
