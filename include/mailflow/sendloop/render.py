@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import jinja2
+from jinja2.sandbox import SandboxedEnvironment
 
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
 from mailflow.campaigns.templating import sandboxed_env, subject_template
@@ -64,7 +65,9 @@ class Renderer:
     :param issued_on: the UTC issue date put into every token (v2 tokens, which expire when the
         verifier sets a maximum age); ``None`` (default): v1 tokens without a date. A fixed input,
         never the clock, so rendering stays deterministic.
+    :param env: the templates' environment (default :func:`template_env`); it must be sandboxed.
     :raises ValueError: if the mailto address is not a plain ``local@domain`` address.
+    :raises TypeError: if ``env`` is not a :class:`jinja2.sandbox.SandboxedEnvironment`.
     """
 
     def __init__(self, signer: UnsubscribeSigner, public_url: str, app_url: str, env: jinja2.Environment | None = None,
@@ -72,6 +75,8 @@ class Renderer:
         self.signer = signer
         self.public_url = public_url.rstrip("/")
         self.app_url = app_url.rstrip("/")
+        if env is not None and not isinstance(env, SandboxedEnvironment):
+            raise TypeError("campaign templates render only in a sandboxed environment (template_env())")
         self.env = env or template_env()
         self._subjects: dict[str, jinja2.Template] = {}
         # (campaign, template name) -> compiled template: get_template() per email stats the file

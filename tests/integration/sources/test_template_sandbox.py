@@ -12,6 +12,7 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+import jinja2
 import pytest
 from scheduled_rig import (
     ALL_DAY,
@@ -110,3 +111,9 @@ def test_sandboxed_subjects_render_as_before() -> None:
     assert t.render(user={"first_name": "Ann <A&B>"}, campaign="spring") == "Ann <A&B> & co: SPRING"
     with pytest.raises(UnsafeTemplateError, match="'subject' uses '__class__'"):
         subject_template("{{ user.__class__ }}")
+
+
+def test_the_renderer_refuses_an_environment_without_the_sandbox() -> None:
+    with pytest.raises(TypeError, match="sandboxed"):
+        Renderer(signer_from_secret("test-secret-0123456789abcdef"), "https://mail.example.com",
+                 "https://app.example.com", env=jinja2.Environment(), mailto="")
