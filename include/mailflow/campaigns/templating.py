@@ -24,18 +24,8 @@ import jinja2
 import jinja2.meta
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import (
-    UNSAFE_ASYNC_GENERATOR_ATTRIBUTES,
-    UNSAFE_COROUTINE_ATTRIBUTES,
-    UNSAFE_FUNCTION_ATTRIBUTES,
-    UNSAFE_GENERATOR_ATTRIBUTES,
-    UNSAFE_METHOD_ATTRIBUTES,
-    ImmutableSandboxedEnvironment,
-)
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import missing
-
-_INTERNAL = (UNSAFE_FUNCTION_ATTRIBUTES | UNSAFE_METHOD_ATTRIBUTES | UNSAFE_GENERATOR_ATTRIBUTES
-             | UNSAFE_COROUTINE_ATTRIBUTES | UNSAFE_ASYNC_GENERATOR_ATTRIBUTES | {"mro"})
 
 
 class UnsafeTemplateError(SecurityError):
@@ -59,11 +49,13 @@ def sandboxed_env(loader: jinja2.BaseLoader | None = None, *,
 
 
 def _unsafe(name: object) -> bool:
-    return isinstance(name, str) and (name.startswith("_") or name in _INTERNAL)
+    # the names every escape starts from (__class__, __globals__, __init__, __subclasses__); the
+    # sandbox also refuses function and frame internals at render time, judged on the real object
+    return isinstance(name, str) and name.startswith("_")
 
 
 def _reaches(tree: nodes.Node) -> Iterator[str]:
-    """Attribute names a template asks for by a literal name that the sandbox would refuse."""
+    """Attribute names starting with ``_`` that a template asks for by a literal name."""
     for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter, nodes.Test)):
         if isinstance(node, nodes.Getattr) and _unsafe(node.attr):
             yield node.attr
@@ -111,7 +103,7 @@ def check_template(source: str, name: str, loader: jinja2.BaseLoader | None = No
         tree = env.parse(text, name=label)
         for attr in _reaches(tree):
             raise UnsafeTemplateError(f"template {label!r} uses {attr!r}, which the sandbox forbids "
-                                      f"(no attribute starting with '_' or a function's internals)")
+                                      f"(no attribute starting with '_')")
         if loader is None:
             return
         for ref in jinja2.meta.find_referenced_templates(tree):
