@@ -4,6 +4,7 @@ sockets that send half a request, and a mail provider's one-click POST that must
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import pytest
 import uvicorn
 from conftest import UNSUBSCRIBE_SECRET
 from starlette.applications import Starlette
@@ -25,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mailflow.emulator.testing import free_port
 from mailflow.feedback.unsubscribe_server import ServerLimits, guarded_protocol
@@ -147,24 +150,43 @@ def test_unsubscribe_endpoint_times_out_half_sent_requests(db: psycopg.Connectio
     assert db.execute("select user_id from mail.suppression order by user_id").fetchall() == [(10,), (11,)]
 
 
-def test_slow_client_limits_hold_under_the_h11_parser_too() -> None:
-    # uvicorn picks httptools when it is installed, else h11: the guard must hold with either
+@contextmanager
+def in_process(protocol: type[asyncio.Protocol], limits: ServerLimits, hold: threading.Event | None = None
+               ) -> Iterator[str]:
+    """A uvicorn server in a thread with ``protocol`` guarded by ``limits``; ``POST /slow`` waits
+    for ``hold`` (a request being answered)."""
     async def echo(request: Request) -> PlainTextResponse:
         return PlainTextResponse(f"ok {len(await request.body())}")
 
-    limits = ServerLimits(header_timeout=1, body_timeout=1, max_header_bytes=2048, max_connections=20)
+    async def slow(request: Request) -> PlainTextResponse:
+        while hold is not None and not hold.is_set():
+            await asyncio.sleep(0.02)
+        return PlainTextResponse("slow")
+
+    app = Starlette(routes=[Route("/", echo, methods=["GET", "POST"]), Route("/slow", slow, methods=["POST"])])
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/", echo, methods=["GET", "POST"])]), port=port,
-                                        http=guarded_protocol(H11Protocol, limits), log_level="warning",
-                                        loop="asyncio"))
+    srv = uvicorn.Server(uvicorn.Config(app, port=port, http=guarded_protocol(protocol, limits),
+                                        log_level="warning", loop="asyncio"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):
             if srv.started:
                 break
             time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if hold is not None:
+            hold.set()
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("protocol", [H11Protocol, HttpToolsProtocol], ids=["h11", "httptools"])
+def test_slow_client_limits_hold_under_either_http_parser(protocol: type[asyncio.Protocol]) -> None:
+    # uvicorn picks httptools when it is installed, else h11: the guard must hold with either
+    limits = ServerLimits(header_timeout=1, body_timeout=1, max_header_bytes=2048, max_connections=20)
+    with in_process(protocol, limits) as base:
         [head] = stalled(base, 1)
         [body] = stalled(base, 1, b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
         [big] = stalled(base, 1, b"GET / HTTP/1.1\r\nHost: a\r\nX-Pad: " + b"a" * 4000)
@@ -179,6 +201,28 @@ def test_slow_client_limits_hold_under_the_h11_parser_too() -> None:
         finally:
             for s in (head, body, big, *idle):
                 s.close()
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
+
+
+def test_a_full_server_never_cuts_a_request_it_is_answering() -> None:
+    # every one of the 16 connections is being answered: a 17th gets 503 + Retry-After, and the 16 finish
+    hold = threading.Event()
+    limits = ServerLimits(header_timeout=5, body_timeout=5, max_connections=16)
+    with in_process(HttpToolsProtocol, limits, hold) as base:
+        busy = stalled(base, 16, b"POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n")
+        try:
+            time.sleep(0.3)
+            [extra] = stalled(base, 1, b"")
+            refused = answer_of(extra, 3)
+            assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 120" in refused
+            hold.set()
+            answers = []
+            for s in busy:
+                s.settimeout(3)
+                got = b""
+                while not got.endswith(b"slow"):
+                    got += s.recv(4096)
+                answers.append(got.split(b" ", 2)[1])
+            assert answers == [b"200"] * 16
+        finally:
+            for s in busy:
+                s.close()
