@@ -97,21 +97,22 @@ class ResendHook(BaseHook):
         return current, [i for i in dict.fromkeys(previous) if i != current]
 
     def previous_clients(self) -> dict[str, Callable[[], ResendClient]]:
-        """Identity -> factory of a client for each previous API key (for the reconciler's resends of
-        batches first sent under that key). A client is built on first call and kept; it shares the
+        """Identity -> factory of a client for each previous API key other than the connection's own
+        (for the reconciler's resends of batches first sent under that key). A client is built on first call and kept; it shares the
         base URL, timeouts, retry policy, clock and pacer of :meth:`get_conn`'s client (one rate limit per
         account), so call :meth:`get_conn` first. :meth:`close` closes them."""
         s = self.settings()
         base = s["base_url"]
-        keys = {key_identity(base, k): k for k in self.previous_api_keys()}
+        current = key_identity(base, str(self._connection().password))
+        keys = {i: k for k in self.previous_api_keys() if (i := key_identity(base, k)) != current}
 
         def factory(identity: str) -> Callable[[], ResendClient]:
             def build() -> ResendClient:
                 if identity not in self._previous:
-                    current = self.get_conn()
+                    own = self.get_conn()
                     self._previous[identity] = ResendClient(
-                        base, keys[identity], pacer=current.pacer, clock=current.clock, validation=current.validation,
-                        policy=current.policy, conn_id=self.resend_conn_id,
+                        base, keys[identity], pacer=own.pacer, clock=own.clock, validation=own.validation,
+                        policy=own.policy, conn_id=self.resend_conn_id,
                         timeout=httpx.Timeout(s["timeout_seconds"], connect=s["connect_timeout_seconds"]))
                 return self._previous[identity]
             return build
