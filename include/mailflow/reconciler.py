@@ -138,11 +138,16 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
         # key): held, untouched, until its key is configured again or the window closes.
         s.held.append({"key": key, "campaign": campaign, "key_identity": identity, "created_at": created_at,
                        "rows": int(sending)})
+        if len(s.held) > 20:
+            continue  # the count below and the alert name the rest
         log.error("batch %s (%s, %d emails still sending) was first sent under API key %s, which is neither the "
                   "current key (%s) nor a previous_api_keys entry: held, not resent under another key (it could "
                   "deliver twice); put that key back in previous_api_keys (docs/operations.md, 'Rotating the API "
                   "key') or it becomes a dead letter when its idempotency window closes",
                   key, campaign, int(sending), identity, current)
+    if len(s.held) > 20:
+        log.error("%d batches (%d emails) held in all, first sent under API keys that are not configured",
+                  len(s.held), sum(h["rows"] for h in s.held))
     slot: float | None = None
     for key, campaign, body, count, validation, identity in batches:
         sender = sender_for(identity)
