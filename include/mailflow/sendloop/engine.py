@@ -126,6 +126,12 @@ CLAIM_AT_SEND = float("-inf")
 
 
 def _send(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
+    sender = key_identity_of(provider)
+    if batch.key_identity is not None and sender is not None and batch.key_identity != sender:
+        # the provider may scope idempotency keys per API key: under another key the same key and
+        # bytes could be processed twice. Callers pick the client by the batch's identity.
+        raise ValueError(f"batch {batch.idempotency_key} was stored for API key {batch.key_identity}, "
+                         f"not for this client's key {sender}: never sent under another key")
     if slot == CLAIM_AT_SEND:
         return provider.send_batch(batch, deadline, claim_at_send=True)  # type: ignore[call-arg]
     if slot is None or not hasattr(provider, "reserve_slot"):  # a double without slots: no slot to pass

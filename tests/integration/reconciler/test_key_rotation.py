@@ -17,7 +17,7 @@ from lifecycle_rig import (
 )
 from reconciler_rig import REPAIR, age_claims, db_now
 
-from mailflow.cli import keys
+from mailflow.cli import keys, main
 from mailflow.orchestration.alerts import held_batch_alert
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
@@ -50,7 +50,7 @@ def _ambiguous_batch_under_key_a(rig: Rig, users: int) -> tuple[ResendClient, st
     return old, key
 
 
-def test_key_rotation_never_duplicates_an_ambiguous_batch(rig: Rig, caplog) -> None:
+def test_key_rotation_never_duplicates_an_ambiguous_batch(rig: Rig, caplog, capsys) -> None:
     old, key = _ambiguous_batch_under_key_a(rig, 5)
     new = _client(rig, SENDING_ONLY)
     assert new.key_identity != old.key_identity
@@ -80,6 +80,10 @@ def test_key_rotation_never_duplicates_an_ambiguous_batch(rig: Rig, caplog) -> N
     # `mailflow keys`: the old identity is not configured and still needed by 1 batch of 5 rows
     table = {r[0]: r[1:4] for r in keys(conn)}
     assert table == {new.key_identity: ("current", 0, 0), old.key_identity: ("NOT CONFIGURED", 1, 5)}
+    assert main(["keys", "--dsn", rig.dsn]) == 0
+    out = capsys.readouterr().out
+    assert "NOT CONFIGURED" in out and out.endswith("1 batch(es) still need a key other than the current one\n")
+    assert rig.emulator.api_key not in out and SENDING_ONLY not in out
 
     # the rotation procedure: the old key kept as a previous key: resent under it, delivered once
     built: list[str] = []

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from mailflow.provider.client import ResendClient, key_identity
-from mailflow.sendloop.engine import key_identity_of, stamp_identity
+from mailflow.sendloop.engine import _send, key_identity_of, stamp_identity
 from mailflow.sendloop.outcome import MintedRow, PreparedBatch
 
 
@@ -34,3 +36,12 @@ def test_batches_carry_the_sending_key_identity_and_doubles_carry_none() -> None
     with ResendClient("https://api.resend.com", "re_a", pacer=_Pacer()) as client:  # type: ignore[arg-type]
         assert stamp_identity(prepare, client)(rows).key_identity == client.key_identity
     assert stamp_identity(prepare, object())(rows).key_identity is None  # a double without an identity
+
+
+def test_a_batch_is_never_sent_under_another_key_than_the_one_it_was_stored_for() -> None:
+    with ResendClient("https://api.resend.com", "re_new", pacer=_Pacer()) as client:  # type: ignore[arg-type]
+        batch = PreparedBatch(idempotency_key="mf-x-c-1-00", campaign="c", row_ids=(1,), body=b"[]",
+                              key_identity=key_identity("https://api.resend.com", "re_old"))
+        with pytest.raises(ValueError, match="never sent under another key"):
+            _send(client, batch, deadline=float("inf"), slot=None)
+        assert client.stats["requests"] == 0
