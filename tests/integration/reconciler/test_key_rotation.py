@@ -124,3 +124,43 @@ def test_a_batch_stored_without_identity_is_resent_under_the_current_key(rig: Ri
     assert (s.batches_resent, s.resent_sent, s.held) == (1, 3, [])
     assert len(rig.outbox()) == 3
     assert [r[1:4] for r in keys(rig.db)] == [("current", 0, 0)]
+
+
+def test_the_reconcile_task_holds_with_an_alert_then_resends_under_previous_api_keys(
+        rig: Rig, caplog, monkeypatch) -> None:
+    """The DAG's task end to end: connection ``resend_default`` with the new key; the held batch is
+    alerted; with the old key in ``previous_api_keys`` the task resends it under that key, once."""
+    import json
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    from mailflow.orchestration import tasks
+
+    old, key = _ambiguous_batch_under_key_a(rig, 3)
+    db = conninfo_to_dict(rig.dsn)
+    monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", json.dumps({
+        "conn_type": "postgres", "host": db.get("host", "127.0.0.1"), "port": int(db.get("port", 5432)),
+        "schema": db["dbname"], "login": db.get("user", "postgres")}))
+    monkeypatch.setattr(tasks, "send_log_connection", lambda: psycopg.connect(rig.dsn))
+
+    def connection(previous: list[str]) -> None:
+        monkeypatch.setenv("AIRFLOW_CONN_RESEND_DEFAULT", json.dumps({
+            "conn_type": "resend", "host": rig.emulator.base_url, "password": SENDING_ONLY,
+            "extra": {"requests_per_second": 100, "previous_api_keys": previous}}))
+
+    class TI:
+        dag_id, run_id, task_id = "reconcile_send_log", "manual", "reconcile"
+
+    context = {"params": {"stale_after_seconds": 60, "time_budget_seconds": 60}, "ti": TI()}
+    connection([])
+    with caplog.at_level(logging.ERROR, logger="mailflow.alerts"):
+        held = tasks.reconcile_send_log(context)
+    assert (held["held"], held["batches_resent"]) == (1, 0)
+    [alert] = [r.getMessage() for r in caplog.records if r.name == "mailflow.alerts"]
+    assert alert.startswith("ALERT: 1 ambiguous batch(es), 3 email(s), held") and key in alert
+    assert len(rig.outbox()) == 3
+    connection([rig.emulator.api_key])
+    done = tasks.reconcile_send_log(context)
+    assert (done["held"], done["batches_resent"], done["resent_sent"]) == (0, 1, 3)
+    assert len(rig.outbox()) == 3 and rig.emulator.stats()["replays"] == 1
+    assert {r["status"] for r in rig.rows()} == {"sent"}
