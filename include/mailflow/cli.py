@@ -6,6 +6,7 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow migrate --check --dsn ...         # exit 1 and name them if any are pending
     mailflow report  --dsn ...                 # per-campaign counts by state
     mailflow audit   --dsn ... --outbox PATH   # invariants: sent rows <-> delivered emails
+    mailflow keys    --dsn ...                 # batches still sending, per API key identity (key rotation)
 """
 
 from __future__ import annotations
@@ -33,6 +34,40 @@ def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
                count(*) filter (where status = 'cancelled'),
                count(*) filter (where released_at is not null)
         from mail.send_log group by campaign order by campaign
+        """
+    ).fetchall()
+
+
+def keys(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    """Per API key identity, the batches that still need that key for a resend (docs/operations.md,
+    "Rotating the API key"): rows ``(key_identity, role, batches, sending_rows, oldest_batch,
+    needed_until)``, one per identity that has a batch with rows still ``sending`` or that the
+    reconciler last found configured (``mail.api_key_identity``).
+
+    ``role``: ``current`` / ``previous`` (as configured at the reconciler's latest run),
+    ``NOT CONFIGURED`` (such batches are held, never resent under another key), or ``unknown`` for
+    batches stored before identities were recorded (resent under the current key). ``oldest_batch``
+    and ``needed_until`` (the newest batch's creation + 23 h, the idempotency window after which the
+    reconciler dead-letters what is left) are aware UTC datetimes, or None without batches.
+    """
+    return conn.execute(
+        """
+        with need as (
+            select b.key_identity, count(*) as batches, sum(s.n) as sending,
+                   min(b.created_at) as oldest, max(b.created_at) + interval '23 hours' as until
+            from mail.send_batch b
+            join (select idempotency_key, count(*) as n from mail.send_log
+                  where status = 'sending' and idempotency_key is not null group by idempotency_key) s
+              on s.idempotency_key = b.idempotency_key
+            group by b.key_identity
+        )
+        select coalesce(n.key_identity, k.identity, '(none recorded)'),
+               case when k.role is not null then k.role
+                    when n.key_identity is null then 'unknown'
+                    else 'NOT CONFIGURED' end,
+               coalesce(n.batches, 0), coalesce(n.sending, 0), n.oldest, n.until
+        from need n full join mail.api_key_identity k on k.identity = n.key_identity
+        order by k.role nulls last, n.oldest
         """
     ).fetchall()
 
@@ -92,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
                        parents=[common])
     a.add_argument("--outbox", type=Path, required=True)
+    sub.add_parser("keys", help="batches with rows still sending, per API key identity: which keys a resend still "
+                   "needs (docs/operations.md, 'Rotating the API key')", parents=[common])
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
@@ -128,6 +165,15 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     elif args.cmd == "report":
         head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
         print_table(head, report(conn))
+    elif args.cmd == "keys":
+        rows = keys(conn)
+        print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),
+                    [(i, r, b, n, o.isoformat(timespec="seconds") if o else "-",
+                      u.isoformat(timespec="seconds") if u else "-") for i, r, b, n, o, u in rows])
+        waiting = [r for r in rows if r[1] in ("previous", "NOT CONFIGURED") and r[2]]
+        print(f"{sum(r[2] for r in waiting)} batch(es) still need a key other than the current one"
+              + ("" if any(r[1] in ("current", "previous") for r in rows) else
+                 " (the reconciler has not recorded the configured keys yet)"))
     else:
         if not args.outbox.is_file():
             print(f"error: outbox file {args.outbox} not found", file=sys.stderr)

@@ -27,6 +27,7 @@ from mailflow.sendloop.engine import (
     peek_slot,
     release_unsent,
     reserve_slot,
+    stamp_identity,
 )
 from mailflow.sendloop.outcome import (
     Accepted,
@@ -172,7 +173,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
         summary.stopped = state.stop
         log.info("%s: %d eligible, not started (%s)", campaign.name, summary.eligible, state.stop)
         return
-    prepare = partial(renderer.prepare_batch, campaign)
+    prepare = stamp_identity(partial(renderer.prepare_batch, campaign), provider)
     cursor = 0
     slot: float | None = None
     # Pipelined with a provider that can predict its next slot: the budget check before the mint

@@ -34,6 +34,7 @@ from mailflow_dev.chaos.scenarios import (
     FAULTS_OFF,
     HANG_SECONDS,
     KILL_POINTS,
+    ROTATED_KEY,
     SCENARIOS,
     SENDING_ONLY_KEY,
     ActorSpec,
@@ -72,10 +73,13 @@ class Runner:
         self.sim = 0.0
         self.base_url = emu.base_url
         self.n = 0
+        self.key = scn.key  # the actors' API key (a rotation changes it)
+        self.previous_keys: tuple[str, ...] = ()
 
     def spec(self, actor: str) -> ActorSpec:
         self.n += 1
-        return ActorSpec(actor=actor, dsn=self.dsn, base_url=self.base_url, api_key=self.scn.key,
+        return ActorSpec(actor=actor, dsn=self.dsn, base_url=self.base_url, api_key=self.key,
+                         previous_keys=self.previous_keys,
                          strict=self.scn.strict, campaigns=self.campaigns,
                          sim_seconds=None if self.scn.real_clock else self.sim, chunk_size=self.chunk_size,
                          run_id=f"{self.scn.name}-{self.n}", error_log=str(self.error_log))
@@ -177,6 +181,27 @@ def _quota_phase(r: Runner, kills: int, step_minutes: float) -> None:
     r.emu.configure(quota_emails=None)
 
 
+def _rotation_phase(r: Runner, kills: int) -> None:
+    """Batches made ambiguous (and senders killed) under the scenario's key; then the key is rotated:
+    faults off, one reconcile run with only the new key (the old batches must be held: nothing sent,
+    nothing claimed), and from then on every actor uses the new key and the reconciler keeps the old
+    one as a previous key (docs/operations.md, "Rotating the API key") for the recovery."""
+    _kill_phase(r, kills)
+    r.emu.configure(**FAULTS_OFF)
+
+    def ambiguous() -> int:
+        with psycopg.connect(r.dsn, autocommit=True) as conn:
+            row = conn.execute("select count(*) from mail.send_log where status = 'sending'").fetchone()
+        return int(row[0]) if row else 0
+
+    before, requests = ambiguous(), int(r.emu.emu.stats()["requests"])
+    r.key, r.previous_keys = ROTATED_KEY, ()
+    r.run("reconciler", kill=False)
+    r.report.info["held_run"] = {"sending_before": before, "sending_after": ambiguous(),
+                                 "requests": int(r.emu.emu.stats()["requests"]) - requests}
+    r.previous_keys = (r.scn.key,)
+
+
 def recover(r: Runner, max_rounds: int = 25) -> int:
     """Faults off: reconciler, sender, dispatcher rounds (no kills) until no work is left or a
     round changes nothing. Returns the rounds run."""
@@ -276,6 +301,8 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
         _outage_phase(r, kills, step_minutes)
     elif scn.driver == "quota":
         _quota_phase(r, kills, 1.5 * step_minutes)
+    elif scn.driver == "rotation":
+        _rotation_phase(r, kills)
     elif scn.name == "team_rate_limit":
         with _noise(emu.base_url, 4.0):
             _kill_phase(r, kills)

@@ -77,7 +77,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("mixed", "every fault above at a low rate at once",
              {"error_rate": 0.05, "error_after_rate": 0.05, "reset_after_accept_rate": 0.05, "timeout_rate": 0.05,
               "hang_seconds": HANG_SECONDS, "scramble_order": True}, status_cycle=(500, 502, 503, 504), weight=1.5),
+    Scenario("key_rotation_while_ambiguous", "batches left ambiguous under one API key, then the key is rotated: "
+             "a reconcile run with only the new key, then recovery with the old key in previous_api_keys",
+             {"reset_after_accept_rate": 0.3, "error_after_rate": 0.2, "reset_mode": "abort"}, driver="rotation"),
 )
+ROTATED_KEY = SENDING_ONLY_KEY  # the new key after a rotation: a sending-only key of the same team
 
 FAULTS_OFF: dict[str, Any] = {
     "error_rate": 0.0, "error_after_rate": 0.0, "reset_after_accept_rate": 0.0, "timeout_rate": 0.0,
@@ -110,6 +114,7 @@ class ActorSpec:
     chunk_size: int
     run_id: str
     error_log: str
+    previous_keys: tuple[str, ...] = ()  # the reconciler's previous_api_keys (key rotation)
 
 
 def _scenario_faults(scn: Scenario, emails: list[str], rng: random.Random) -> dict[str, Any]:

@@ -180,6 +180,8 @@ def test_chaos_short(pg_admin_dsn: str) -> None:
     assert by_name["ids_out_of_order"]["info"]["feedback"]["recipient_mismatch"] > 0  # seen, nobody suppressed
     assert by_name["ids_out_of_order"]["info"]["feedback"]["suppressed"] == 0
     assert by_name["last_event_suppressed_failed"]["info"]["feedback"]["provider_suppressed"] > 0
+    held = by_name["key_rotation_while_ambiguous"]["info"]["held_run"]  # only the new key: nothing resent
+    assert held["requests"] == 0 and held["sending_after"] == held["sending_before"]
 
 
 def test_a_row_that_cannot_render_names_the_user_and_keeps_what_was_recorded(rig: Rig) -> None:

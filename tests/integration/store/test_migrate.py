@@ -139,6 +139,19 @@ def test_the_send_log_has_exactly_its_indexes_after_migrate(fresh: str) -> None:
         assert conn.execute("select count(*) from mail.sent_email").fetchone() == (0,)
 
 
+def test_0015_keeps_every_stored_batch_and_leaves_its_key_identity_unknown(fresh: str) -> None:
+    """A live send log: the batches stored before 0015 stay, byte for byte, with key_identity NULL
+    (unknown: the reconciler resends them under the current key, as before)."""
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=13)
+        conn.execute("insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation)"
+                     " values ('mf-x-c1-1-00', 'c1', 1, '[{}]'::bytea, 'permissive')")
+        assert "0015_batch_key_identity.sql" in migrate(conn)
+        assert conn.execute("select idempotency_key, body, validation, key_identity from mail.send_batch").fetchall() == [
+            ("mf-x-c1-1-00", b"[{}]", "permissive", None)]
+        assert conn.execute("select count(*) from mail.api_key_identity").fetchone() == (0,)
+
+
 def test_0011_drops_concurrently_outside_a_transaction() -> None:
     m = {m.version: m for m in migration_files()}[11]
     assert m.transactional is False

@@ -135,6 +135,7 @@ class _Dispatcher:
         self.campaigns: dict[str, Campaign] = {}
         self.campaign_rows: dict[str, dict[str, Any]] = {}
         self.policy: ContactPolicy = policy if policy is not None else load_policy()
+        self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -144,8 +145,9 @@ class _Dispatcher:
 
     def prepare(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
         """Render a claimed chunk; its key is assigned by the store when the batch is saved
-        (docs/model.md, "Idempotency keys": never the same key for two bodies)."""
-        return self.renderer.prepare_batch(campaign, rows)
+        (docs/model.md, "Idempotency keys": never the same key for two bodies). The batch carries the
+        sending key's identity, stored with its bytes (a resend must use the same API key)."""
+        return dataclasses.replace(self.renderer.prepare_batch(campaign, rows), key_identity=self.key_identity)
 
     def _campaign(self, name: str) -> Campaign:
         if name not in self.campaigns:

@@ -11,7 +11,14 @@ from typing import Any
 import psycopg
 
 from mailflow.sendloop.clock import Clock, SystemClock
-from mailflow.sendloop.engine import MAX_BATCH, ChunkPipeline, InFlight, release_unsent, reserve_slot
+from mailflow.sendloop.engine import (
+    MAX_BATCH,
+    ChunkPipeline,
+    InFlight,
+    key_identity_of,
+    release_unsent,
+    reserve_slot,
+)
 from mailflow.sendloop.outcome import NotSent, Refused, RunContext, SendError, Unknown
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _actor
@@ -67,6 +74,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     clock = clock or SystemClock()
     run = run or RunContext()
     d = _Dispatcher(conn, renderer, run, batch_size, policy)
+    d.key_identity = key_identity_of(provider)
     summary = DispatchSummary()
     t0 = clock.monotonic()
     deadline = t0 + budget_seconds
