@@ -189,5 +189,5 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                      f"claimed until a probe is answered (docs/operations.md, 'Circuit breaker')")
         log.error("dispatch could not send: %s", fatal[-1])
     if fatal:
-        raise SendError("; ".join(fatal))
+        raise SendError("; ".join(fatal), summary=summary)
     return summary

@@ -46,3 +46,58 @@ returning probe_until
 -- The holder gives its lease back (its probe ended without an answer either way).
 update mail.circuit_breaker set probe_holder = null, probe_until = null, updated_at = clock_timestamp()
 where account = %(account)s and probe_holder = %(holder)s
+
+-- name: dead_letters
+-- Dead letters nobody has decided on yet (a row dead-lettered again after a decision counts again),
+-- oldest first, with the batch they belonged to. Read by `mailflow dead-letters list`.
+select l.id, l.kind, l.campaign, l.user_id, l.idempotency_key, l.dead_lettered_at, l.error
+from mail.send_log l
+where l.dead_lettered_at is not null and l.status = 'failed'
+  and (l.dead_letter_decided_at is null or l.dead_letter_decided_at < l.dead_lettered_at)
+  and (%(ids)s::bigint[] is null or l.id = any(%(ids)s::bigint[]))
+  and (%(campaign)s::text is null or l.campaign = %(campaign)s)
+order by l.dead_lettered_at, l.id
+
+-- name: dead_letter_resend
+-- A person re-opens dead letters under a NEW key, accepting the risk of a duplicate (the provider
+-- may have processed the old key): lifecycle rows are released (they leave the unique key; ambiguous_at
+-- stays as history) so the next run's audience decides again; scheduled rows go back to pending
+-- without their key or ambiguity, keeping their place in the plan. The decision and who took it are
+-- stored on the row and appended as an event with the old key; nothing is deleted.
+with changed as (
+    update mail.send_log l
+    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
+        released_at = case when l.kind = 'lifecycle' then now() end,
+        idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
+        batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
+        ambiguous_at = case when l.kind = 'scheduled' then null else l.ambiguous_at end,
+        dead_letter_decision = 'resend', dead_letter_decided_at = now(), dead_letter_decided_by = %(who)s,
+        error = 'dead letter re-opened for a resend under a new key by ' || %(who)s || ': ' || %(why)s
+                || ' (was ' || coalesce(l.idempotency_key, 'no key') || ')'
+    where l.id = any(%(ids)s::bigint[]) and l.dead_lettered_at is not null and l.status = 'failed'
+      and (l.dead_letter_decided_at is null or l.dead_letter_decided_at < l.dead_lettered_at)
+    returning l.id, l.attempts, l.status, l.error
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'failed', status, attempts, error, null, null, 'mailflow dead-letters resend' from changed
+returning send_log_id
+
+-- name: dead_letter_close
+-- A person closes dead letters: they stay failed for good (the user is not mailed this campaign
+-- again), with the decision, who and why on the row and as an event.
+with changed as (
+    update mail.send_log l
+    set dead_letter_decision = 'close', dead_letter_decided_at = now(), dead_letter_decided_by = %(who)s,
+        error = l.error || '; closed by ' || %(who)s || ': ' || %(why)s
+    where l.id = any(%(ids)s::bigint[]) and l.dead_lettered_at is not null and l.status = 'failed'
+      and (l.dead_letter_decided_at is null or l.dead_letter_decided_at < l.dead_lettered_at)
+    returning l.id, l.attempts, l.error
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'failed', 'failed', attempts, error, null, null, 'mailflow dead-letters close' from changed
+returning send_log_id
+
+-- name: breakers
+-- Every account's breaker (operations: `mailflow breaker`).
+select account, state, opened_at, reason, failures, opened_total, probe_holder, probe_until, closed_at, closed_by
+from mail.circuit_breaker order by account
