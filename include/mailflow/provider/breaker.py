@@ -163,8 +163,8 @@ class CircuitBreaker:
 
     def _exec(self, name: str, **params: Any) -> tuple[Any, ...] | None:
         with self.conn.transaction():
-            row: tuple[Any, ...] | None = self.conn.execute(
-                query("breaker", name), {"account": self.account, "holder": self.holder} | params).fetchone()
+            cur = self.conn.execute(query("breaker", name), {"account": self.account, "holder": self.holder} | params)
+            row: tuple[Any, ...] | None = cur.fetchone() if cur.description is not None else None
         return row
 
     def state(self) -> BreakerState:
