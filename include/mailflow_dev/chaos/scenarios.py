@@ -36,8 +36,8 @@ UNEXPECTED = 4  # exit code of a child that raised something other than SendErro
 class Scenario:
     """One fault kind: ``faults`` = emulator settings of the fault phase; ``key`` = the API key the
     actors use; ``strict`` = strict batch validation (some users' emails are refused by the
-    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage`` or ``quota``
-    (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
+    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage``,
+    ``long_outage`` or ``quota`` (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
 
     name: str
     about: str
@@ -77,6 +77,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("mixed", "every fault above at a low rate at once",
              {"error_rate": 0.05, "error_after_rate": 0.05, "reset_after_accept_rate": 0.05, "timeout_rate": 0.05,
               "hang_seconds": HANG_SECONDS, "scramble_order": True}, status_cycle=(500, 502, 503, 504), weight=1.5),
+    Scenario("outage_longer_than_window", "30 simulated hours of 503s (4 h unreachable): past the idempotency window",
+             {}, driver="long_outage", weight=1.5),
 )
 
 FAULTS_OFF: dict[str, Any] = {

@@ -184,6 +184,7 @@ def test_chaos_short(pg_admin_dsn: str) -> None:
         assert "sending" not in s["info"]["states"], s["name"]
     by_name = {s["name"]: s for s in report["scenarios"]}
     assert by_name["outage_6h"]["simulated_hours"] == 6 and by_name["quota_exhausted"]["simulated_hours"] == 4
+    assert by_name["outage_longer_than_window"]["simulated_hours"] == 30
     assert by_name["ids_out_of_order"]["info"]["feedback"]["recipient_mismatch"] > 0  # seen, nobody suppressed
     assert by_name["ids_out_of_order"]["info"]["feedback"]["suppressed"] == 0
     assert by_name["last_event_suppressed_failed"]["info"]["feedback"]["provider_suppressed"] > 0
