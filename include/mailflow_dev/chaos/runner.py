@@ -178,6 +178,25 @@ def _long_outage_phase(r: Runner, kills: int, step_minutes: float, hours: float 
     _stepped(r, kills, schedule, step, before)
     r.base_url = r.emu.base_url
     _kill_phase(r, kills, first_chunk=True)
+    _decide_dead_letters(r)
+
+
+def _decide_dead_letters(r: Runner) -> None:
+    """The runbook's decision (docs/operations.md, "Dead letters"), taken as a person would: a dead
+    letter whose key the provider never delivered (not in the outbox: the outage answered 503 before
+    processing) is re-opened for a resend under a new key; one it did deliver is closed. The audit
+    then proves nobody was mailed twice."""
+    from mailflow.cli import dead_letters, decide_dead_letters
+
+    delivered = {str(d.get("idempotency_key")) for d in r.emu.emu.read_outbox()}
+    with psycopg.connect(r.dsn, autocommit=True) as conn:
+        rows = dead_letters(conn)
+        for decision, ids in (("resend", [int(x[0]) for x in rows if x[4] not in delivered]),
+                              ("close", [int(x[0]) for x in rows if x[4] in delivered])):
+            if ids:
+                decide_dead_letters(conn, decision, ids, "chaos runner",
+                                    "the provider's outbox shows whether the key was delivered")
+    r.report.info["dead_letters_decided"] = len(rows)
 
 
 def _quota_phase(r: Runner, kills: int, step_minutes: float) -> None:

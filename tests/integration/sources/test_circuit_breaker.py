@@ -144,6 +144,13 @@ def test_breaker_is_shared_and_probed_once(rig: Rig) -> None:
     time.sleep(0.4)  # run-a died holding the lease: it expires
     assert b.take_probe() and not a.take_probe()
     b.release_probe()
+    # a holder killed mid-probe (its session gone) frees the lease at once, long before it expires
+    dying = rig.conn()
+    c = CircuitBreaker(dying, rig.emulator.base_url, "run-c", lease_seconds=3600)
+    assert c.take_probe() and not b.take_probe()
+    dying.close()
+    assert b.take_probe()
+    b.release_probe()
 
     # another sender of the account (a lifecycle run) mints nothing while a probe is out elsewhere
     assert a.take_probe()

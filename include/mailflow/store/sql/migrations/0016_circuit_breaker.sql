@@ -21,6 +21,7 @@ create table if not exists mail.circuit_breaker (
     opened_total  bigint      not null default 0 check (opened_total >= 0),
     probe_holder  text,
     probe_until   timestamptz,
+    probe_pid     integer,
     last_probe_at timestamptz,
     closed_at     timestamptz,
     closed_by     text,
@@ -36,6 +37,9 @@ comment on column mail.circuit_breaker.failures is 'Whole-request failures seen 
 comment on column mail.circuit_breaker.opened_total is 'How many times the breaker opened (closed -> open).';
 comment on column mail.circuit_breaker.probe_until is
     'The probe lease: only probe_holder may probe until then (database clock); an expired lease is free.';
+comment on column mail.circuit_breaker.probe_pid is
+    'The backend pid of the lease holder''s connection: a lease whose holder''s session is gone (the process '
+    'died) is free at once, without waiting for probe_until.';
 
 alter table mail.send_log
     add column if not exists dead_letter_decision   text check (dead_letter_decision in ('resend', 'close')),

@@ -2,8 +2,10 @@
 -- The breaker of a provider account (one primary-key read): closed when there is no row. A probe
 -- lease is live while probe_until lies ahead of the database clock.
 select state, opened_at, reason, failures, probe_holder,
-       coalesce(probe_until > clock_timestamp(), false) as probing, opened_total, closed_at
-from mail.circuit_breaker where account = %(account)s
+       coalesce(probe_until > clock_timestamp()
+                and exists (select 1 from pg_stat_activity a where a.pid = b.probe_pid), false) as probing,
+       opened_total, closed_at
+from mail.circuit_breaker b where account = %(account)s
 
 -- name: open
 -- A whole-request failure: the breaker opens (or stays open with one more failure counted). The
@@ -19,6 +21,7 @@ on conflict (account) do update
         reason = excluded.reason,
         probe_holder = case when b.probe_holder = %(holder)s then null else b.probe_holder end,
         probe_until = case when b.probe_holder = %(holder)s then null else b.probe_until end,
+        probe_pid = case when b.probe_holder = %(holder)s then null else b.probe_pid end,
         updated_at = clock_timestamp()
 returning failures = 1 as opened_now, opened_at
 
@@ -27,24 +30,28 @@ returning failures = 1 as opened_now, opened_at
 -- dropped. A closed breaker is left untouched (no write). Returns the outage it ended.
 update mail.circuit_breaker
 set state = 'closed', closed_at = clock_timestamp(), closed_by = %(holder)s, probe_holder = null,
-    probe_until = null, updated_at = clock_timestamp()
+    probe_until = null, probe_pid = null, updated_at = clock_timestamp()
 where account = %(account)s and state = 'open'
 returning opened_at, reason, failures, clock_timestamp() - opened_at as lasted
 
 -- name: take_probe
 -- The probe lease, atomically: only while the breaker is open and nobody else holds a live lease.
 -- The row lock of this one statement serialises two takers; the loser gets no row. The lease
--- expires by itself (a holder that dies frees it after lease seconds).
-update mail.circuit_breaker
+-- expires by itself after lease seconds, and at once when the holder's session is gone (a killed
+-- process: its backend pid is no longer in pg_stat_activity).
+update mail.circuit_breaker b
 set probe_holder = %(holder)s, probe_until = clock_timestamp() + make_interval(secs => %(lease)s),
-    last_probe_at = clock_timestamp(), updated_at = clock_timestamp()
-where account = %(account)s and state = 'open'
-  and (probe_until is null or probe_until <= clock_timestamp() or probe_holder = %(holder)s)
-returning probe_until
+    probe_pid = pg_backend_pid(), last_probe_at = clock_timestamp(), updated_at = clock_timestamp()
+where b.account = %(account)s and b.state = 'open'
+  and (b.probe_until is null or b.probe_until <= clock_timestamp() or b.probe_holder = %(holder)s
+       or b.probe_pid is null
+       or not exists (select 1 from pg_stat_activity a where a.pid = b.probe_pid))
+returning b.probe_until
 
 -- name: release_probe
 -- The holder gives its lease back (its probe ended without an answer either way).
-update mail.circuit_breaker set probe_holder = null, probe_until = null, updated_at = clock_timestamp()
+update mail.circuit_breaker set probe_holder = null, probe_until = null, probe_pid = null,
+    updated_at = clock_timestamp()
 where account = %(account)s and probe_holder = %(holder)s
 
 -- name: dead_letters
