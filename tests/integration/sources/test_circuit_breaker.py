@@ -217,7 +217,7 @@ def test_dead_letter_decision_resend_reopens_and_close_keeps_history(rig: Rig, c
     by_id = {r["id"]: r for r in rig.rows()}
     reopened, closed = by_id[dead[0]], by_id[dead[1]]
     assert (reopened["status"], reopened["idempotency_key"], reopened["dead_letter_decision"]) == ("pending", None, "resend")
-    assert reopened["dead_letter_decided_by"] == "ops@example.com"
+    assert reopened["dead_letter_decided_by"] == "ops@example.com" and reopened["dead_lettered_at"] is None
     assert (closed["status"], closed["dead_lettered_at"] is not None, closed["dead_letter_decision"]) == (
         "failed", True, "close")
     assert rig.events(dead[0])[-2:] == [("sending", "failed"), ("failed", "pending")]

@@ -69,8 +69,9 @@ order by l.dead_lettered_at, l.id
 -- A person re-opens dead letters under a NEW key, accepting the risk of a duplicate (the provider
 -- may have processed the old key): lifecycle rows are released (they leave the unique key; ambiguous_at
 -- stays as history) so the next run's audience decides again; scheduled rows go back to pending
--- without their key or ambiguity, keeping their place in the plan. The decision and who took it are
--- stored on the row and appended as an event with the old key; nothing is deleted.
+-- without their key or ambiguity, keeping their place in the plan. Either way the row is no longer
+-- a dead letter (dead_lettered_at cleared; the event of its dead-lettering stays). The decision and
+-- who took it are stored on the row and appended as an event with the old key; nothing is deleted.
 with changed as (
     update mail.send_log l
     set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
@@ -78,6 +79,7 @@ with changed as (
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
         batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
         ambiguous_at = case when l.kind = 'scheduled' then null else l.ambiguous_at end,
+        dead_lettered_at = null,
         dead_letter_decision = 'resend', dead_letter_decided_at = now(), dead_letter_decided_by = %(who)s,
         error = 'dead letter re-opened for a resend under a new key by ' || %(who)s || ': ' || %(why)s
                 || ' (was ' || coalesce(l.idempotency_key, 'no key') || ')'
