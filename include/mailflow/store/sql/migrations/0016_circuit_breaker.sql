@@ -33,6 +33,17 @@ comment on table mail.circuit_breaker is
     'One row per provider account: closed, or open since opened_at for reason (a whole-request failure). While '
     'open no sender mints or claims new rows; one probe at a time (probe_holder until probe_until) tests the '
     'provider, and an answer that proves it processes requests closes it.';
+comment on column mail.circuit_breaker.account is
+    'The provider account (the pacer''s account: the API base URL in production), as in mail.rate_slot.';
+comment on column mail.circuit_breaker.state is
+    'closed: senders mint and claim; open: nothing new is minted or claimed until a probe is answered.';
+comment on column mail.circuit_breaker.opened_at is 'When the breaker last went from closed to open (database clock).';
+comment on column mail.circuit_breaker.reason is 'The latest whole-request failure seen while open (the client''s reason).';
+comment on column mail.circuit_breaker.probe_holder is 'Who holds the probe lease (a run and process id), or null.';
+comment on column mail.circuit_breaker.last_probe_at is 'When a probe lease was last taken (database clock).';
+comment on column mail.circuit_breaker.closed_at is 'When the breaker last closed (database clock).';
+comment on column mail.circuit_breaker.closed_by is 'Who closed it: the probe''s holder, or "by hand: <name>" (mailflow breaker --close).';
+comment on column mail.circuit_breaker.updated_at is 'The last change of this row (database clock).';
 comment on column mail.circuit_breaker.failures is 'Whole-request failures seen since the breaker last opened.';
 comment on column mail.circuit_breaker.opened_total is 'How many times the breaker opened (closed -> open).';
 comment on column mail.circuit_breaker.probe_until is
@@ -50,6 +61,9 @@ comment on column mail.send_log.dead_letter_decision is
     'A person''s decision on this dead letter (mailflow dead-letters): resend (re-opened under a new key, '
     'accepting the risk of a duplicate) or close (failed for good). Null: nobody decided yet.';
 
+comment on column mail.send_log.dead_letter_decided_at is 'When a person decided on this dead letter (database clock).';
+comment on column mail.send_log.dead_letter_decided_by is 'Who decided on this dead letter (mailflow dead-letters --by).';
+
 alter table mail.send_log drop constraint if exists send_log_ambiguous_never_released;
 alter table mail.send_log add constraint send_log_ambiguous_never_released
-    check (ambiguous_at is null or released_at is null or dead_letter_decision = 'resend') not valid;
+    check (ambiguous_at is null or released_at is null or coalesce(dead_letter_decision = 'resend', false)) not valid;
