@@ -23,6 +23,12 @@ Runs every 30 minutes (``reconcile_send_log``). In order, each step a guarded, i
    is HELD: not claimed, not resent, reported in ``held`` for an alert, and dead-lettered by step 3
    once past the window (docs/operations.md, "Rotating the API key").
 
+While the shared circuit breaker is open (:mod:`mailflow.provider.breaker`), step 4 is the probe:
+the reconciler takes the probe lease (one process at a time) and resends the oldest stale batch
+under its key; an answer closes the breaker and the other batches follow, a 5xx, a timeout or a
+refused connection keeps it open and ends the step. With no stale batch it probes with
+``GET /domains``. Without the lease (another process probes) nothing is resent this run.
+
 Whole-request failures never charge users (docs/model.md), so there is no "attempts exhausted"
 step. Dead letters found in step 3 are returned so the DAG can alert through a notifier.
 Running it twice changes nothing the second time.
@@ -39,6 +45,7 @@ from typing import Any
 
 import psycopg
 
+from mailflow.provider.breaker import CircuitBreaker, is_answer
 from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import BatchProvider, _send, key_identity_of, reserve_slot
 from mailflow.sendloop.outcome import NotSent, PreparedBatch, Refused, RunContext
@@ -64,6 +71,7 @@ class RepairSummary:
     resent_failed: int = 0
     resent_rolled_back: int = 0
     resent_still_unknown: int = 0
+    circuit: str = "closed"
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     held: list[dict[str, Any]] = field(default_factory=list)
 
@@ -148,6 +156,34 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
     if len(s.held) > 20:
         log.error("%d batches (%d emails) held in all, first sent under API keys that are not configured",
                   len(s.held), sum(h["rows"] for h in s.held))
+    breaker = CircuitBreaker.for_run(conn, provider, run)
+    probing = False
+    if breaker.state().open:
+        s.circuit = "open"
+        if not batches:
+            # nothing ambiguous to probe with: a read that mints nothing (one per run at most)
+            s.circuit = "closed by probe" if breaker.admit(provider, deadline, clock) is None else "open"
+            return s
+        probing = breaker.take_probe()
+        if not probing:
+            log.warning("circuit breaker open and another process holds the probe: no resend this run")
+            return s
+        log.warning("circuit breaker open: probing with a same-key resend of batch %s", batches[0][0])
+    try:
+        _resend(conn, store, sender_for, breaker, batches, params, run, deadline, clock, s, probing)
+    finally:
+        if breaker.state().probe_holder == breaker.holder:
+            breaker.release_probe()
+    return s
+
+
+def _resend(conn: psycopg.Connection, store: PostgresStore, sender_for: Callable[[str | None], BatchProvider],
+            breaker: CircuitBreaker,
+            batches: list[Any], params: dict[str, Any], run: RunContext, deadline: float, clock: Clock,
+            s: RepairSummary, probing: bool) -> None:
+    """Step 4: resend stale batches under their keys, each with the client of the API key it was
+    first sent under (``sender_for(identity)``); the first one is the breaker's probe when
+    ``probing`` (its answer closes the breaker, a failure ends the step)."""
     slot: float | None = None
     for key, campaign, body, count, validation, identity in batches:
         sender = sender_for(identity)
@@ -187,7 +223,14 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
         s.resent_still_unknown += applied.unknown
         log.info("resent batch %s (%s, %d emails): %d sent, %d rejected, %d rolled back, %d still unknown",
                  key, campaign, count, applied.sent, applied.failed, applied.released, applied.unknown)
+        failure = breaker.record(outcome)  # an answer closes the breaker, a whole-request failure opens it
+        if probing:
+            probing = False
+            s.circuit = "closed by probe" if is_answer(outcome) else "open"
+            if failure is not None or not is_answer(outcome):
+                log.warning("probe resend of batch %s was not answered (%s): the breaker stays open",
+                            key, getattr(outcome, "reason", ""))
+                break
         if outcome.stop_run or isinstance(outcome, NotSent):
             log.warning("stopping the resend step: %s", outcome.stop_run or getattr(outcome, "reason", ""))
             break
-    return s

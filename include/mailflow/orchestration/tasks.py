@@ -191,6 +191,9 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
         finally:
             hook.close()
     log.info("reconcile: %s", summary.as_dict())
+    if summary.circuit == "open":
+        log.warning("the provider's circuit breaker is open: its probe was not answered; senders mint and claim "
+                    "nothing new (docs/operations.md, 'Circuit breaker')")
     dead_letter_alert(summary.dead_letters, context)
     held_batch_alert(summary.held, context)
     return summary.as_dict()

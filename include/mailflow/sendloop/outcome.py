@@ -183,11 +183,13 @@ class CampaignSummary:
 
 class SendError(RuntimeError):
     """Raised after a run has recorded everything it could, when a person must act (bad API key,
-    idempotency conflict, a whole campaign rejected). ``summaries`` holds the run's counts."""
+    idempotency conflict, a whole campaign rejected, a provider that could not be reached).
+    ``summaries`` holds a lifecycle run's counts, ``summary`` a scheduled dispatch run's."""
 
-    def __init__(self, message: str, summaries: list[CampaignSummary] | None = None):
+    def __init__(self, message: str, summaries: list[CampaignSummary] | None = None, summary: Any = None):
         super().__init__(message)
         self.summaries = summaries or []
+        self.summary = summary
 
 
 def iso(dt: datetime) -> str:

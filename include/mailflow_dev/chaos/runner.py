@@ -163,6 +163,50 @@ def _outage_phase(r: Runner, kills: int, step_minutes: float) -> None:
     _kill_phase(r, kills, first_chunk=True)
 
 
+def _long_outage_phase(r: Runner, kills: int, step_minutes: float, hours: float = 30.0) -> None:
+    """An outage longer than the idempotency window (23 h here, 24 h at Resend): ``hours`` simulated
+    hours of 503s to everything, reads included, with the provider unreachable (connection refused)
+    from hour 10 to 14. The dispatcher runs every step (at least 30 simulated minutes apart), the
+    reconciler every step and the sender every other; kills land on random runs, and those that found
+    nothing to kill on runs after the outage. With the circuit
+    breaker only the batches in flight when the outage began may become dead letters; everyone else
+    is still eligible and is mailed once in the recovery."""
+    step = max(step_minutes, 30.0) * 60
+    steps = max(2, round(hours * 3600 / step))
+    dead = f"http://127.0.0.1:{free_port()}"
+    schedule = [["dispatcher", "reconciler"] + (["sender"] if i % 2 == 0 else []) for i in range(steps)]
+
+    def before(i: int) -> None:
+        r.base_url = dead if 10 * 3600 <= i * step < 14 * 3600 else r.emu.base_url
+
+    r.emu.configure(outage=True)
+    _stepped(r, kills, schedule, step, before)
+    r.base_url = r.emu.base_url
+    _decide_dead_letters(r)
+    # with the breaker open almost no run of the outage reaches a batch to be killed at: the kills
+    # still due land on the way back (the breaker's probe, the resends, the re-opened dead letters)
+    r.emu.configure(outage=False)
+    _kill_phase(r, kills)
+
+
+def _decide_dead_letters(r: Runner) -> None:
+    """The runbook's decision (docs/operations.md, "Dead letters"), taken as a person would: a dead
+    letter whose key the provider never delivered (not in the outbox: the outage answered 503 before
+    processing) is re-opened for a resend under a new key; one it did deliver is closed. The audit
+    then proves nobody was mailed twice."""
+    from mailflow.cli import dead_letters, decide_dead_letters
+
+    delivered = {str(d.get("idempotency_key")) for d in r.emu.emu.read_outbox()}
+    with psycopg.connect(r.dsn, autocommit=True) as conn:
+        rows = dead_letters(conn)
+        for decision, ids in (("resend", [int(x[0]) for x in rows if x[4] not in delivered]),
+                              ("close", [int(x[0]) for x in rows if x[4] in delivered])):
+            if ids:
+                decide_dead_letters(conn, decision, ids, "chaos runner",
+                                    "the provider's outbox shows whether the key was delivered")
+    r.report.info["dead_letters_decided"] = len(rows)
+
+
 def _quota_phase(r: Runner, kills: int, step_minutes: float) -> None:
     """The emulator's day is set to end 4 simulated hours from now; a daily quota of a third of the
     work runs out within the first steps, and every run after it meets 429 daily_quota_exceeded
@@ -299,6 +343,8 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
     emu.configure(**(FAULTS_OFF | faults))
     if scn.driver == "outage":
         _outage_phase(r, kills, step_minutes)
+    elif scn.driver == "long_outage":
+        _long_outage_phase(r, kills, step_minutes)
     elif scn.driver == "quota":
         _quota_phase(r, kills, 1.5 * step_minutes)
     elif scn.driver == "rotation":

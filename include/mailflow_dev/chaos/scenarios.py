@@ -36,8 +36,8 @@ UNEXPECTED = 4  # exit code of a child that raised something other than SendErro
 class Scenario:
     """One fault kind: ``faults`` = emulator settings of the fault phase; ``key`` = the API key the
     actors use; ``strict`` = strict batch validation (some users' emails are refused by the
-    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage`` or ``quota``
-    (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
+    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage``,
+    ``long_outage`` or ``quota`` (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
 
     name: str
     about: str
@@ -80,6 +80,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("key_rotation_while_ambiguous", "batches left ambiguous under one API key, then the key is rotated: "
              "a reconcile run with only the new key, then recovery with the old key in previous_api_keys",
              {"reset_after_accept_rate": 0.3, "error_after_rate": 0.2, "reset_mode": "abort"}, driver="rotation"),
+    Scenario("outage_longer_than_window", "30 simulated hours of 503s (4 h unreachable): past the idempotency window",
+             {}, driver="long_outage", weight=1.5),
 )
 ROTATED_KEY = SENDING_ONLY_KEY  # the new key after a rotation: a sending-only key of the same team
 

@@ -252,7 +252,9 @@ def test_a_whole_request_5xx_keeps_the_chunk_and_its_key_and_stops_the_run(rig: 
     for uid in (1, 2, 3, 4, 5):
         add_user(rig.db, uid)
     rig.emulator.configure(error_rate=1.0)
-    [s] = rig.run([simple_campaign("a", 1, "user_id in (2, 4, 5)")], chunk_size=2)
+    with pytest.raises(SendError, match="provider down") as failed:  # a run that could not send is not green
+        rig.run([simple_campaign("a", 1, "user_id in (2, 4, 5)")], chunk_size=2)
+    [s] = failed.value.summaries
     assert (s.minted, s.sent, s.released, s.unknown, s.chunks, s.stopped) == (2, 0, 0, 2, 1, "provider unavailable")
     rows = rig.rows()
     assert [(r["user_id"], r["status"]) for r in rows] == [(2, "sending"), (4, "sending")]
@@ -306,7 +308,9 @@ def test_an_ambiguous_response_leaves_rows_sending_with_the_exact_bytes_stored(r
         add_user(rig.db, uid)
     rig.emulator.configure(reset_after_accept_rate=1.0)
     client = rig.client(policy=RetryPolicy(max_attempts=1), timeout=2.0)
-    [s] = rig.run([simple_campaign("a", 1)], client=client)
+    with pytest.raises(SendError, match="provider down") as failed:  # the reset opens the breaker: not green
+        rig.run([simple_campaign("a", 1)], client=client)
+    [s] = failed.value.summaries
     assert (s.minted, s.sent, s.unknown, s.released) == (3, 0, 3, 0)
     rows = rig.rows()
     [key] = {r["idempotency_key"] for r in rows}

@@ -373,7 +373,9 @@ def test_scheduled_5xx_after_processing_keeps_key_and_bytes_and_never_returns_to
     # claim sent them again under a new key although the provider had processed them: mailed twice.
     provisioned(rig, 2)
     rig.emulator.configure(error_after_rate=1.0, error_after_status=502)
-    summary = rig.dispatch(client=rig.client(policy=RetryPolicy(max_attempts=1)))  # the sender's budget ends
+    with pytest.raises(SendError, match="provider down") as failed:  # the 502 opens the breaker: not green
+        rig.dispatch(client=rig.client(policy=RetryPolicy(max_attempts=1)))  # the sender's budget ends
+    summary = failed.value.summary
     assert (summary.claimed, summary.sent, summary.released, summary.unknown) == (2, 0, 0, 2)
     assert summary.stopped == "provider unavailable"
     rows = rig.rows()

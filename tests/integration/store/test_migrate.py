@@ -308,3 +308,31 @@ def test_upgrade_from_0003_at_1m_rows_keeps_reads_and_writes_under_1s(pg_admin_d
     assert result["reader_queries"] >= 50 and result["writer_statements"] >= 50  # the probes ran throughout
     assert result["reader_max_wait_seconds"] < 1.0, result
     assert result["writer_max_wait_seconds"] < 1.0, result
+
+
+def test_circuit_breaker_migration_keeps_a_live_send_log_and_its_dead_letters_decidable(fresh: str) -> None:
+    """0016 on a send log that already holds rows, dead letters among them: nothing is lost, the new
+    decision columns start undecided (null), and a lifecycle dead letter can then be re-opened (released
+    while its ambiguous_at stays as history, which the widened check admits only for that decision)."""
+    from mailflow.cli import dead_letters, decide_dead_letters
+
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=13)
+        conn.execute(
+            "insert into mail.send_log (user_id, campaign, email, status, idempotency_key, ambiguous_at,"
+            " dead_lettered_at, error, provider_message_id) values (1, 'a', 'u1@example.com', 'failed', 'k1', now(),"
+            " now(), 'unknown outcome', null), (2, 'a', 'u2@example.com', 'sent', 'k2', null, null, null, 'p2')")
+        before = conn.execute("select id, user_id, status, error from mail.send_log order by id").fetchall()
+        assert "0016_circuit_breaker.sql" in migrate(conn)
+        assert conn.execute("select id, user_id, status, error from mail.send_log order by id").fetchall() == before
+        assert conn.execute("select count(*) from mail.send_log where dead_letter_decision is not null"
+                            ).fetchone() == (0,)
+        [dead] = dead_letters(conn)
+        assert decide_dead_letters(conn, "resend", [dead[0]], "ops", "confirmed not delivered") == [dead[0]]
+        row = conn.execute("select released_at is not null, ambiguous_at is not null, dead_lettered_at"
+                           " from mail.send_log where id = %s", (dead[0],)).fetchone()
+        assert row == (True, True, None)
+        with pytest.raises(psycopg.errors.CheckViolation):  # any other ambiguous row is never released
+            conn.execute("update mail.send_log set status = 'failed', released_at = now(), ambiguous_at = now()"
+                         " where user_id = 2")
+        assert conn.execute("select count(*) from mail.circuit_breaker").fetchone() == (0,)
