@@ -9,6 +9,7 @@ import logging
 
 import httpx
 import psycopg
+import pytest
 from lifecycle_rig import (
     Rig,
     add_user,
@@ -22,6 +23,7 @@ from mailflow.orchestration.alerts import held_batch_alert
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
+from mailflow.sendloop.outcome import SendError
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the answer is lost and not retried: outcome unknown
 SENDING_ONLY = "re_sending_only_new"  # the new key: a sending-only key, as Resend recommends
@@ -40,7 +42,9 @@ def _ambiguous_batch_under_key_a(rig: Rig, users: int) -> tuple[ResendClient, st
         add_user(rig.db, uid)
     rig.emulator.configure(reset_after_accept_rate=1.0, restricted_keys=[SENDING_ONLY])
     old = rig.client(policy=ONE_SHOT, timeout=1.0)
-    [s] = rig.run([simple_campaign("c1", 1)], client=old)
+    with pytest.raises(SendError, match="provider down") as failed:  # the reset opened the breaker
+        rig.run([simple_campaign("c1", 1)], client=old)
+    [s] = failed.value.summaries
     assert (s.minted, s.sent, s.unknown) == (users, 0, users)
     rig.emulator.configure(reset_after_accept_rate=0.0)
     assert len(rig.outbox()) == users  # the provider did deliver, once
@@ -64,7 +68,8 @@ def test_key_rotation_never_duplicates_an_ambiguous_batch(rig: Rig, caplog, caps
     assert [(h["key"], h["campaign"], h["key_identity"], h["rows"]) for h in held.held] == [
         (key, "c1", old.key_identity, 5)]
     assert held.as_dict()["held"] == 1
-    assert rig.emulator.stats()["requests"] == requests_before  # nothing was sent
+    # nothing was sent: the one request is the breaker's probe (GET /domains, the lost answer opened it)
+    assert rig.emulator.stats()["requests"] == requests_before + 1
     assert len(rig.outbox()) == 5  # 0 duplicate deliveries
     rows = rig.rows()
     assert {r["status"] for r in rows} == {"sending"} and {r["idempotency_key"] for r in rows} == {key}
@@ -112,7 +117,8 @@ def test_a_batch_held_for_its_key_is_dead_lettered_past_the_window(rig: Rig) -> 
     requests_before = rig.emulator.stats()["requests"]
     s = reconcile(rig.store().conn, new, now=db_now(rig), run=REPAIR)
     assert (s.unknown_outcome_failed, s.batches_resent, s.held) == (2, 0, [])
-    assert rig.emulator.stats()["requests"] == requests_before and len(rig.outbox()) == 2
+    # nothing resent: the one request is the breaker's probe (GET /domains)
+    assert rig.emulator.stats()["requests"] == requests_before + 1 and len(rig.outbox()) == 2
     assert all(r["status"] == "failed" and r["dead_lettered_at"] is not None for r in rig.rows())
 
 

@@ -8,6 +8,7 @@ from collections import Counter
 
 import httpx
 import psycopg
+import pytest
 from scheduled_rig import (
     RUN,
     Rig,
@@ -18,6 +19,7 @@ from scheduled_rig import (
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
+from mailflow.sendloop.outcome import SendError
 
 NEW_KEY = "re_sending_only_new"
 
@@ -26,7 +28,9 @@ def test_key_rotation_never_duplicates_an_ambiguous_scheduled_batch(rig: Rig) ->
     provisioned(rig, 4)
     rig.emulator.configure(error_after_rate=1.0, error_after_status=502, restricted_keys=[NEW_KEY])
     old = rig.client(policy=RetryPolicy(max_attempts=1))
-    summary = rig.dispatch(client=old)
+    with pytest.raises(SendError, match="provider down") as failed:  # the 502 opened the breaker
+        rig.dispatch(client=old)
+    summary = failed.value.summary
     assert (summary.claimed, summary.sent, summary.unknown) == (4, 0, 4)
     [(key, identity)] = rig.db.execute("select idempotency_key, key_identity from mail.send_batch").fetchall()
     assert identity == old.key_identity
