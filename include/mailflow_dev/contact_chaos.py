@@ -122,7 +122,8 @@ def setup(dsn: str, users: int) -> list[int]:
     from mailflow.sources import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.campaign_address,"
+        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.mailbox,"
+                     " mail.campaign_address,"
                      " mail.campaign_event,"
                      " mail.campaign_recipient, mail.campaign, app.assessments, app.users restart identity cascade")
         conn.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"

@@ -26,6 +26,7 @@ from mailflow.sources.scheduled.planning import plan_day, plan_send_times
 from mailflow.store.contact_guard import lock_contacts
 from mailflow.store.policy import Cap, ContactPolicy
 from mailflow.store.send_log import PostgresStore
+from mailflow.store.suppression import suppress_address
 from mailflow_dev import contact_chaos
 
 
@@ -392,8 +393,8 @@ def test_an_address_the_provider_rejected_is_not_tried_again_in_the_same_run(lri
 
 
 def test_suppression_matches_normalised_addresses_on_both_paths(lrig: LRig, srig: ts.Rig) -> None:
-    lrig.db.execute("insert into mail.suppression (email, source) values ('anna@example.com', 'bounce'),"
-                    " ('jörg@bücher.example', 'complaint')")
+    suppress_address(lrig.db, "anna@example.com", source="bounce")
+    suppress_address(lrig.db, "jörg@bücher.example", source="complaint")
     add_user(lrig.db, 1, email="  ANNA@Example.com")
     add_user(lrig.db, 2, email="jörg@xn--bcher-kva.example")
     add_user(lrig.db, 3)
@@ -564,7 +565,7 @@ def test_a_dry_run_counts_exactly_what_the_real_run_then_mints(lrig: LRig) -> No
                     " values (2, 'outreach', 'scheduled', 'user2@example.com', 'pending', %s)", (now + 12 * H,))
     plant_sent(lrig.db, 3, "x1", now - 2 * D)
     plant_sent(lrig.db, 3, "x2", now - 4 * D)
-    lrig.db.execute("insert into mail.suppression (email, source) values ('user4@example.com', 'bounce')")
+    suppress_address(lrig.db, "user4@example.com", source="bounce")
     lrig.db.execute("insert into mail.suppression (user_id, scope, source) values (5, 'all', 'unsubscribe')")
     c = dataclasses.replace(simple_campaign("a", 1, cooldown=D), caps=(Cap(7 * D, 2),))
     renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")

@@ -21,6 +21,7 @@ from mailflow.sendloop.render import subject_template
 from mailflow.sources.scheduled.campaign_db import _actor, _event, _lock, _one, _used_on_day
 from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
 from mailflow.sources.scheduled.spec import _TABLE, _check_templates, _recipients_file
+from mailflow.store.policy import mailbox_key
 from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                     subject = " ".join(subject_t.render(user=user, campaign=c["name"], app_url=settings.app_url()).split())
                 except jinja2.UndefinedError as exc:
                     raise ValueError(f"campaign {c['name']!r}: the subject needs {exc} (user {uid})") from None
-                rows.append({"user_id": uid, "email": email, "context": {**ctx, "subject": subject},
-                             "scheduled_at": at.isoformat()})
+                rows.append({"user_id": uid, "email": email, "email_key": mailbox_key(email),
+                             "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
             created = 0
             if rows:
                 res = conn.execute(query("scheduled", "provision_rows"), {
