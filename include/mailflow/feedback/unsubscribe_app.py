@@ -19,6 +19,11 @@ Gmail/Yahoo bulk-sender rules):
 * The database or the signing secret unavailable: a friendly page with **503** and
   ``Retry-After`` (the mail provider retries a one-click POST), never a 500 with a traceback.
 
+"Stop all marketing" (the list ``all``) also suppresses every mailbox the user was mailed at (their
+stored keys in ``mail.send_log``), so another user id at the same mailbox gets no more marketing
+either. The endpoint's database role needs ``INSERT, SELECT (id)`` on ``mail.suppression`` and
+``SELECT (user_id, email, email_key)`` on ``mail.send_log``, nothing else.
+
 Suppressions land in ``mail.suppression`` (user_id, scope, source, created_at); the next audience
 selection (``store/sql/queries/lifecycle.sql``) and the scheduled dispatcher (which cancels a due row of
 a suppressed user) honour them. Pages are plain HTML built from escaped strings, with

@@ -15,8 +15,8 @@ def _backlog(db: psycopg.Connection, n: int) -> list[int]:
     db.execute("insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)"
                " values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')")
     return [r[0] for r in db.execute(
-        "insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
-        " select g, 'backlog', 'scheduled', 'u' || g || '@example.com', 'pending',"
+        "insert into mail.send_log (user_id, campaign, kind, email, email_key, status, scheduled_at)"
+        " select g, 'backlog', 'scheduled', 'u' || g || '@example.com', 'u' || g || '@example.com', 'pending',"
         "        now() - interval '1 day' + g * interval '1 second'"
         " from generate_series(1, %s) g order by g returning id", (n,)).fetchall()]
 
