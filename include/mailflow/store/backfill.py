@@ -59,17 +59,34 @@ def backfill_mailbox_keys(conn: psycopg.Connection) -> dict[str, int]:
                                {"ids": [p[0] for p in part], "keys": [p[1] for p in part]})
             changed["suppression"] += max(cur.rowcount, 0)
 
-    with conn.transaction():
-        rows = conn.execute("select id, email, email_key from mail.send_log where email is not null"
-                            " and (email_key is null or octet_length(email) <> char_length(email))").fetchall()
-    fixes = [(int(rid), new) for rid, email, key in rows if (new := mailbox_key(email)) is not None and new != key]
-    for i in range(0, len(fixes), BATCH):
-        part = fixes[i:i + BATCH]
+    # the send log in pages of the primary key (one pass over the table, a short transaction per
+    # page); each distinct address is validated once
+    cache: dict[str, str | None] = {}
+    after = 0
+    while True:
         with conn.transaction():
-            cur = conn.execute("update mail.send_log l set email_key = r.key"
-                               " from unnest(%(ids)s::bigint[], %(keys)s::text[]) as r(id, key) where l.id = r.id",
-                               {"ids": [p[0] for p in part], "keys": [p[1] for p in part]})
-            changed["send_log"] += max(cur.rowcount, 0)
+            rows = conn.execute("select id, email, email_key from mail.send_log where id > %(after)s"
+                                " and email is not null"
+                                " and (email_key is null or octet_length(email) <> char_length(email))"
+                                " order by id limit %(n)s", {"after": after, "n": BATCH}).fetchall()
+        if not rows:
+            break
+        after = int(rows[-1][0])
+        fixes = []
+        for rid, email, key in rows:
+            if email not in cache:
+                cache[email] = mailbox_key(email)
+            new = cache[email]
+            if new is not None and new != key:
+                fixes.append((int(rid), new))
+        if len(cache) > 100_000:
+            cache.clear()
+        if fixes:
+            with conn.transaction():
+                cur = conn.execute("update mail.send_log l set email_key = r.key"
+                                   " from unnest(%(ids)s::bigint[], %(keys)s::text[]) as r(id, key) where l.id = r.id",
+                                   {"ids": [f[0] for f in fixes], "keys": [f[1] for f in fixes]})
+                changed["send_log"] += max(cur.rowcount, 0)
 
     with conn.transaction():
         rows = conn.execute("select campaign, email_key, user_id, created_at from mail.campaign_address"
