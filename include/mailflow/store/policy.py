@@ -200,8 +200,9 @@ class Address:
 
 def fold_local_part(local: str) -> str:
     """The case-folding rule of the mailbox key for a local part: Unicode full case folding
-    (``str.casefold``, Unicode 15 CaseFolding.txt, the "caseless matching" of the Unicode Standard
-    section 3.13), then NFC again (folding can decompose: ``İ`` folds to ``i`` + U+0307).
+    (``str.casefold``, the "caseless matching" of the Unicode Standard, section 3.13; the data is
+    the running Python's Unicode database, 14.0 on Python 3.11), then NFC again (folding can
+    decompose: ``İ`` folds to ``i`` + U+0307).
 
     Why casefold and not ``lower``: ``lower`` is not a matching rule. Python's ``lower`` applies the
     final-sigma context (``ΟΔΟΣ`` -> ``οδος`` but ``οδοσ`` stays), so one mailbox typed two ways got
