@@ -35,7 +35,8 @@ where not exists (select 1 from mail.send_log d
   and not exists (select 1 from mail.suppression s
                   where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
   and not exists (select 1 from mail.suppression s
-                  where s.email_key = translate(btrim(a.email, E' \t\r\n'), 'ABCDEFGHIJKLMNOPQRSTUVWXYZ',
+                  where s.email_key is not null
+                    and s.email_key = translate(btrim(a.email, E' \t\r\n'), 'ABCDEFGHIJKLMNOPQRSTUVWXYZ',
                                                 'abcdefghijklmnopqrstuvwxyz')
                     and s.scope in ('all', %(campaign)s))
 
