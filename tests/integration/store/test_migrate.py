@@ -51,6 +51,11 @@ def test_files_parse_and_index_files_run_outside_a_transaction() -> None:
     assert len(statements) == 8
     assert all(s.lower().startswith(("create index concurrently if not exists", "drop index concurrently if exists"))
                for s in statements)
+    # a Python backfill step is a statement of its own, between the SQL around it
+    mailbox = by_name["0018_mailbox_key.sql"].statements()
+    step = mailbox.index("-- migrate: python backfill_mailbox_keys")
+    assert mailbox[step - 1].startswith("comment on column mail.mailbox.created_at")
+    assert mailbox[step + 1].startswith("create unique index concurrently if not exists suppression_email_key_scope_uq")
     # after 0003 (tables that may be large by then), no transactional file builds an index on the
     # send log or its events: that holds a lock writers wait for during the whole build
     blocking = re.compile(r"create\s+(unique\s+)?index\s+(?!concurrently)[^;]*?\son\s+(only\s+)?mail\.send_(log|event)\b",
