@@ -257,8 +257,8 @@ class PostgresStore:
         out; the users' ``mail.contact`` rows are locked (user_id order), then their mailboxes'
         ``mail.mailbox`` rows (key order), and the policy is re-evaluated on what is committed now,
         counting the user's contacts and every other user's at the same mailbox, so a concurrent
-        claim of another path or run for the same user or mailbox is seen; a second user at an address the campaign already mails gets a
-        ``duplicate`` row naming the first. Either all of it commits (rows ``sending`` with their
+        claim of another path or run for the same user or mailbox is seen; a second user at an
+        address the campaign already mails gets a ``duplicate`` row naming the first. Either all of it commits (rows ``sending`` with their
         batch bytes, re-sendable by the reconciler) or none of it does.
         """
         params = self._params(campaign, window, cooldown_since) | {"after": after, "limit": limit}
@@ -350,7 +350,8 @@ class PostgresStore:
                     holder = holders[addresses[r[0]].key]
                     if holder != int(r[0]):
                         decided.append({"user_id": r[0], "email": addresses[r[0]].send,
-                                        "email_key": addresses[r[0]].key, "context": r[2], "status": "duplicate", "error": duplicate_reason(addresses[r[0]].key, holder)})
+                                        "email_key": addresses[r[0]].key, "context": r[2], "status": "duplicate",
+                                        "error": duplicate_reason(addresses[r[0]].key, holder)})
                 valid = [r for r in valid if holders[addresses[r[0]].key] == int(r[0])]
             duplicates = sum(1 for d in decided if d["status"] == "duplicate")
             if decided:

@@ -165,8 +165,9 @@ class _Dispatcher:
         second user at an address the campaign already mails: ``duplicate`` naming the first); the
         users' ``mail.contact`` rows are locked in user_id order, then their mailboxes'
         ``mail.mailbox`` rows in key order, and the policy is re-evaluated on what is committed now
-        (the user's contacts and every other user's at the same mailbox); a held row is deferred to the first planned slot after the window
-        (``on_policy = 'defer'``), or ``skipped`` with the reason, or sent anyway (``ignore``).
+        (the user's contacts and every other user's at the same mailbox); a held row is deferred to
+        the first planned slot after the window (``on_policy = 'defer'``), or ``skipped`` with the
+        reason, or sent anyway (``ignore``).
         Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``."""
         with self.conn.transaction():
             suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
