@@ -10,6 +10,7 @@ deletes a recorded row.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -105,5 +106,37 @@ def backfill_mailbox_keys(conn: psycopg.Connection) -> dict[str, int]:
     return changed
 
 
-STEPS: dict[str, Callable[[psycopg.Connection], object]] = {"backfill_mailbox_keys": backfill_mailbox_keys}
+def require_suppression_keys(conn: psycopg.Connection, *, lock_timeout_seconds: float = 1.0, retries: int = 10) -> bool:
+    """Migration 0018: from now on an address suppression must carry its mailbox key: the CHECK
+    ``suppression_email_has_key`` (``email is null or email_key is not null``), added ``NOT VALID``
+    (rows written before are not checked: an invalid address, or the second spelling of a mailbox
+    already suppressed, keeps a null key), so a bare ``INSERT`` of an address, which no lookup would
+    ever match, fails loudly instead. A brief lock with ``lock_timeout``, retried with a growing
+    pause, like the migrator's transactional files.
+
+    :returns: True if the constraint was added, False if it existed.
+    :raises psycopg.errors.LockNotAvailable: if the lock was not granted after the retries.
+    """
+    for attempt in range(retries + 1):
+        try:
+            with conn.transaction():
+                conn.execute("select set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_seconds * 1000)}ms",))
+                exists = conn.execute("select 1 from pg_constraint where conrelid = 'mail.suppression'::regclass"
+                                      " and conname = 'suppression_email_has_key'").fetchone()
+                if exists:
+                    return False
+                conn.execute("alter table mail.suppression add constraint suppression_email_has_key"
+                             " check (email is null or email_key is not null) not valid")
+            return True
+        except psycopg.errors.LockNotAvailable:
+            if attempt == retries:
+                raise
+            time.sleep(min(30.0, 0.5 * 2**attempt))
+    return False
+
+
+STEPS: dict[str, Callable[[psycopg.Connection], object]] = {
+    "backfill_mailbox_keys": backfill_mailbox_keys,
+    "require_suppression_keys": require_suppression_keys,
+}
 """The named steps a migration may call (``-- migrate: python <name>``)."""

@@ -55,7 +55,8 @@ def test_files_parse_and_index_files_run_outside_a_transaction() -> None:
     mailbox = by_name["0018_mailbox_key.sql"].statements()
     step = mailbox.index("-- migrate: python backfill_mailbox_keys")
     assert mailbox[step - 1].startswith("comment on column mail.mailbox.created_at")
-    assert mailbox[step + 1].startswith("create unique index concurrently if not exists suppression_email_key_scope_uq")
+    assert mailbox[step + 1] == "-- migrate: python require_suppression_keys"
+    assert mailbox[step + 2].startswith("create unique index concurrently if not exists suppression_email_key_scope_uq")
     # after 0003 (tables that may be large by then), no transactional file builds an index on the
     # send log or its events: that holds a lock writers wait for during the whole build
     blocking = re.compile(r"create\s+(unique\s+)?index\s+(?!concurrently)[^;]*?\son\s+(only\s+)?mail\.send_(log|event)\b",
@@ -186,6 +187,9 @@ def test_0018_backfills_mailbox_keys_on_a_live_send_log_and_runs_again_harmlessl
         assert migrate(conn) == ["0018_mailbox_key.sql"]
         assert conn.execute("select count(*), count(email_key) from mail.suppression").fetchone() == (6, 3)
         assert conn.execute("select count(*), count(email_key) from mail.send_log").fetchone() == (4, 3)
+        # from now on an address suppression without its key (which nothing would match) is refused
+        with pytest.raises(psycopg.errors.CheckViolation, match="suppression_email_has_key"):
+            conn.execute("insert into mail.suppression (email, source) values ('late@example.com', 'manual')")
 
 
 def test_0011_drops_concurrently_outside_a_transaction() -> None:

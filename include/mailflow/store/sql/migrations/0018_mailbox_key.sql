@@ -13,6 +13,8 @@
 --     the step `backfill_mailbox_keys` (mailflow.store.backfill), resumable and idempotent: the
 --     suppressions' keys, send-log rows without a key or with a non-ASCII address (the old key was a
 --     lower(); ASCII keys are unchanged), and mail.campaign_address's non-ASCII keys.
+--   * `require_suppression_keys` adds CHECK (email is null or email_key is not null) NOT VALID: a new
+--     address suppression without its key (a bare INSERT, which nothing would match) fails loudly.
 --   * then the unique index on (email_key, scope) replaces 0001's (lower(email), scope), and the
 --     guard's mailbox probe gets its covering index on send_log (email_key, sent_at), built
 --     CONCURRENTLY (no lock that blocks reads or writes; an interrupted build is rebuilt).
@@ -32,6 +34,7 @@ comment on table mail.mailbox is
 comment on column mail.mailbox.email_key is 'Mailbox key (mail.send_log.email_key).';
 comment on column mail.mailbox.created_at is 'First claim for this mailbox (timestamptz, UTC).';
 -- migrate: python backfill_mailbox_keys
+-- migrate: python require_suppression_keys
 create unique index concurrently if not exists suppression_email_key_scope_uq
     on mail.suppression (email_key, scope) where email_key is not null;
 drop index concurrently if exists mail.suppression_email_scope_uq;
