@@ -19,6 +19,11 @@ Gmail/Yahoo bulk-sender rules):
 * The database or the signing secret unavailable: a friendly page with **503** and
   ``Retry-After`` (the mail provider retries a one-click POST), never a 500 with a traceback.
 
+"Stop all marketing" (the list ``all``) also suppresses every mailbox the user was mailed at (their
+stored keys in ``mail.send_log``), so another user id at the same mailbox gets no more marketing
+either. The endpoint's database role needs ``INSERT, SELECT (id)`` on ``mail.suppression`` and
+``SELECT (user_id, email, email_key)`` on ``mail.send_log``, nothing else.
+
 Suppressions land in ``mail.suppression`` (user_id, scope, source, created_at); the next audience
 selection (``store/sql/queries/lifecycle.sql``) and the scheduled dispatcher (which cancels a due row of
 a suppressed user) honour them. Pages are plain HTML built from escaped strings, with
@@ -88,8 +93,14 @@ def record_unsubscribe(conn: psycopg.Connection, user_id: int, scope: str, sourc
                        reason: str | None = None) -> bool:
     """Suppress ``user_id`` for ``scope`` (a campaign name or ``all``) in ``mail.suppression``.
 
-    Idempotent (``ON CONFLICT DO NOTHING``): returns True if the suppression is new, False if it
-    existed. Runs in the caller's connection and commits on its own transaction block.
+    "Stop all marketing" (``scope == 'all'``) acts on the mailbox as well as the user: every mailbox
+    the user was mailed at (the stored keys of their send-log rows) is suppressed for all mail in the
+    same transaction, so another user id at that mailbox gets nothing more either
+    (docs/model.md, "The mailbox key"). One list (a campaign name) stays per user.
+
+    Idempotent (``ON CONFLICT DO NOTHING``): returns True if the user's suppression is new, False if
+    it existed (the mailboxes are suppressed either way). Runs in the caller's connection and
+    commits on its own transaction block.
 
     :param source: ``one_click``, ``confirm_page`` or e.g. ``mailto`` (a processed unsubscribe email).
     :raises psycopg.Error: on any database failure.
@@ -97,6 +108,12 @@ def record_unsubscribe(conn: psycopg.Connection, user_id: int, scope: str, sourc
     with conn.transaction():
         row = conn.execute(query("suppression", "suppress_user"),
                            {"user_id": int(user_id), "scope": scope, "source": source, "reason": reason}).fetchone()
+        if scope == ALL_MARKETING:
+            boxes = conn.execute(query("suppression", "mailboxes_of_user"), {"user_id": int(user_id)}).fetchall()
+            if boxes:
+                conn.execute(query("suppression", "suppress_mailboxes"), {
+                    "keys": [str(b[0]) for b in boxes], "emails": [str(b[1]) for b in boxes], "scope": ALL_MARKETING,
+                    "source": source, "reason": f"all marketing stopped by user {int(user_id)}"})
     return row is not None
 
 

@@ -37,6 +37,7 @@ from mailflow.provider.client import RetryPolicy
 from mailflow.sendloop.apply_by_index import reconcile_by_index
 from mailflow.sendloop.outcome import SendError
 from mailflow.store.send_log import PostgresStore
+from mailflow.store.suppression import suppress_address
 
 
 def sent_to(rig: Rig) -> dict[str, str]:
@@ -158,8 +159,11 @@ def test_suppression_by_user_and_by_email_with_scope(rig: Rig) -> None:
         add_user(rig.db, uid)
     for user_id, email, scope in [(1, None, "all"), (None, "USER2@Example.com", "all"), (3, None, "b"),
                                   (4, None, "other_campaign"), (None, "user5@example.com", "b")]:
-        rig.db.execute("insert into mail.suppression (user_id, email, scope, source) values (%s, %s, %s, 'test')",
-                       (user_id, email, scope))
+        if email is None:
+            rig.db.execute("insert into mail.suppression (user_id, scope, source) values (%s, %s, 'test')",
+                           (user_id, scope))
+        else:
+            suppress_address(rig.db, email, scope=scope, source="test")
     summaries = rig.run([simple_campaign("c", 2, "user_id in (1, 2, 3, 5)"), simple_campaign("b", 1)])
     assert {r["user_id"]: r["campaign"] for r in rig.rows()} == {4: "b", 6: "b", 3: "c", 5: "c"}
     assert [(s.campaign, s.eligible, s.sent) for s in summaries] == [("b", 2, 2), ("c", 2, 2)]

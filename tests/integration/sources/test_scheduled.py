@@ -32,6 +32,7 @@ from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled import CampaignStateError, DispatchSummary, claiming
 from mailflow.sources.scheduled.planning import PlanSpec, plan_send_times
+from mailflow.store.suppression import suppress_address
 
 BERLIN, NEW_YORK = ZoneInfo("Europe/Berlin"), ZoneInfo("America/New_York")
 
@@ -352,8 +353,7 @@ def test_rows_already_sent_or_cancelled_are_skipped_without_error(rig: Rig) -> N
 def test_suppressed_users_and_addresses_are_cancelled_at_dispatch(rig: Rig) -> None:
     provisioned(rig, 5)
     rig.db.execute("insert into mail.suppression (user_id, scope, source) values (2, 'all', 'unsubscribe')")
-    rig.db.execute("insert into mail.suppression (email, scope, source) values ('USER4@example.com', 'outreach_test',"
-                   " 'unsubscribe')")
+    suppress_address(rig.db, "USER4@example.com", scope="outreach_test", source="unsubscribe")
     rig.db.execute("insert into mail.suppression (user_id, scope, source) values (5, 'other_campaign', 'unsubscribe')")
 
     summary = rig.dispatch()

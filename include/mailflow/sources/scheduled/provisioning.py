@@ -22,6 +22,7 @@ from mailflow.sendloop.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import _actor, _event, _lock, _one, _used_on_day
 from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
 from mailflow.sources.scheduled.spec import _TABLE, _check_templates, _recipients_file
+from mailflow.store.policy import mailbox_key
 from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
@@ -195,8 +196,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                     raise ValueError(f"campaign {c['name']!r}: the subject needs {exc} (user {uid})") from None
                 except jinja2.exceptions.SecurityError as exc:
                     raise ValueError(f"campaign {c['name']!r}: subject refused by the sandbox: {exc} (user {uid})") from None
-                rows.append({"user_id": uid, "email": email, "context": {**ctx, "subject": subject},
-                             "scheduled_at": at.isoformat()})
+                rows.append({"user_id": uid, "email": email, "email_key": mailbox_key(email),
+                             "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
             created = 0
             if rows:
                 res = conn.execute(query("scheduled", "provision_rows"), {
