@@ -120,9 +120,10 @@ from (select x.user_id, x.k, x.email, x.at,
 """
 
 SUPPRESSION_SQL = """
-insert into mail.suppression (user_id, email, scope, source, reason, created_at)
+insert into mail.suppression (user_id, email, email_key, scope, source, reason, created_at)
 select case when user_id %% 200 = 2 then null else user_id end,
        case when user_id %% 200 = 2 then lower(email) end,
+       case when user_id %% 200 = 2 then lower(email) end, -- the mailbox key of these ASCII addresses
        case when user_id %% 200 = 3 then 'practice_tips' else 'all' end,
        'unsubscribe', 'bench', %(anchor)s - (user_id %% 300) * interval '1 day'
 from app.users where user_id %% 200 < 4

@@ -31,7 +31,8 @@ from mailflow.store.migrate import migrate  # noqa: E402
 from mailflow_dev import devenv  # noqa: E402
 
 UNSUBSCRIBE_SECRET = "test-secret-0123456789abcdef"
-MAIL_TABLES = "mail.send_event, mail.send_log, mail.send_batch, mail.rate_slot, mail.suppression, mail.contact, mail.campaign_address"
+MAIL_TABLES = ("mail.send_event, mail.send_log, mail.send_batch, mail.rate_slot, mail.circuit_breaker, mail.suppression,"
+               " mail.contact, mail.campaign_address, mail.mailbox")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,11 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow migrate --check --dsn ...         # exit 1 and name them if any are pending
     mailflow report  --dsn ...                 # per-campaign counts by state
     mailflow audit   --dsn ... --outbox PATH   # invariants: sent rows <-> delivered emails
+    mailflow keys    --dsn ...                 # batches still sending, per API key identity (key rotation)
+    mailflow dead-letters list [--campaign C]  # dead letters nobody has decided on yet
+    mailflow dead-letters resend (--ids 1,2 | --all) --by NAME --reason TEXT --accept-duplicate-risk
+    mailflow dead-letters close  (--ids 1,2 | --all) --by NAME --reason TEXT
+    mailflow breaker [--close --by NAME --reason TEXT]  # the providers' circuit breakers
 """
 
 from __future__ import annotations
@@ -33,6 +38,40 @@ def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
                count(*) filter (where status = 'cancelled'),
                count(*) filter (where released_at is not null)
         from mail.send_log group by campaign order by campaign
+        """
+    ).fetchall()
+
+
+def keys(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    """Per API key identity, the batches that still need that key for a resend (docs/operations.md,
+    "Rotating the API key"): rows ``(key_identity, role, batches, sending_rows, oldest_batch,
+    needed_until)``, one per identity that has a batch with rows still ``sending`` or that the
+    reconciler last found configured (``mail.api_key_identity``).
+
+    ``role``: ``current`` / ``previous`` (as configured at the reconciler's latest run),
+    ``NOT CONFIGURED`` (such batches are held, never resent under another key), or ``unknown`` for
+    batches stored before identities were recorded (resent under the current key). ``oldest_batch``
+    and ``needed_until`` (the newest batch's creation + 23 h, the idempotency window after which the
+    reconciler dead-letters what is left) are aware UTC datetimes, or None without batches.
+    """
+    return conn.execute(
+        """
+        with need as (
+            select b.key_identity, count(*) as batches, sum(s.n) as sending,
+                   min(b.created_at) as oldest, max(b.created_at) + interval '23 hours' as until
+            from mail.send_batch b
+            join (select idempotency_key, count(*) as n from mail.send_log
+                  where status = 'sending' and idempotency_key is not null group by idempotency_key) s
+              on s.idempotency_key = b.idempotency_key
+            group by b.key_identity
+        )
+        select coalesce(n.key_identity, k.identity, '(none recorded)'),
+               case when k.role is not null then k.role
+                    when n.key_identity is null then 'unknown'
+                    else 'NOT CONFIGURED' end,
+               coalesce(n.batches, 0), coalesce(n.sending, 0), n.oldest, n.until
+        from need n full join mail.api_key_identity k on k.identity = n.key_identity
+        order by k.role nulls last, n.oldest
         """
     ).fetchall()
 
@@ -76,6 +115,37 @@ def audit(conn: psycopg.Connection, outbox: Path) -> dict[str, int]:
     }
 
 
+def dead_letters(conn: psycopg.Connection, ids: list[int] | None = None,
+                 campaign: str | None = None) -> list[tuple[Any, ...]]:
+    """Undecided dead letters ``(id, kind, campaign, user_id, idempotency_key, dead_lettered_at,
+    error)``, oldest first; ``ids`` / ``campaign`` narrow them (None: all)."""
+    from mailflow.store.sql import query
+
+    return conn.execute(query("breaker", "dead_letters"), {"ids": ids, "campaign": campaign}).fetchall()
+
+
+def decide_dead_letters(conn: psycopg.Connection, decision: str, ids: list[int], who: str, why: str) -> list[int]:
+    """Record a person's decision on undecided dead letters, in one transaction (docs/operations.md,
+    "Dead letters"). ``decision`` is ``resend`` (re-open under a new key, accepting that the provider
+    may already have delivered the old one: lifecycle rows released so the next run decides again,
+    scheduled rows back to ``pending``) or ``close`` (failed for good). Nothing is deleted: the
+    decision, ``who`` and ``why`` are stored on the row and appended as an event.
+
+    :returns: the ids changed (rows already decided, or not dead letters, are left as they are).
+    :raises ValueError: for another decision or an empty ``who`` / ``why``.
+    """
+    from mailflow.store.sql import query
+
+    if decision not in ("resend", "close"):
+        raise ValueError(f"decision must be 'resend' or 'close', got {decision!r}")
+    if not who.strip() or not why.strip():
+        raise ValueError("a decision on a dead letter names who took it (--by) and why (--reason)")
+    with conn.transaction():
+        rows = conn.execute(query("breaker", f"dead_letter_{decision}"),
+                            {"ids": ids, "who": who.strip(), "why": why.strip()}).fetchall()
+    return sorted(int(r[0]) for r in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mailflow`` command."""
     p = argparse.ArgumentParser(prog="mailflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,6 +162,22 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
                        parents=[common])
     a.add_argument("--outbox", type=Path, required=True)
+    sub.add_parser("keys", help="batches with rows still sending, per API key identity: which keys a resend still "
+                   "needs (docs/operations.md, 'Rotating the API key')", parents=[common])
+    dl = sub.add_parser("dead-letters", help="list dead letters, or record a person's decision on them "
+                        "(docs/operations.md, 'Dead letters')", parents=[common])
+    dl.add_argument("action", choices=("list", "resend", "close"))
+    dl.add_argument("--ids", help="comma-separated send-log ids")
+    dl.add_argument("--all", action="store_true", help="every undecided dead letter (of --campaign, if given)")
+    dl.add_argument("--campaign", help="only this campaign")
+    dl.add_argument("--by", default="", help="who decides (recorded on the rows and events)")
+    dl.add_argument("--reason", default="", help="why (recorded on the rows and events)")
+    dl.add_argument("--accept-duplicate-risk", action="store_true",
+                    help="resend: the provider may have delivered the old key; a user may get the email twice")
+    br = sub.add_parser("breaker", help="the providers' circuit breakers (docs/operations.md, 'Circuit breaker')",
+                        parents=[common])
+    br.add_argument("--close", metavar="ACCOUNT", help="close this account's breaker by hand (the provider is back)")
+    br.add_argument("--by", default="", help="who closes it")
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
@@ -128,6 +214,19 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     elif args.cmd == "report":
         head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
         print_table(head, report(conn))
+    elif args.cmd == "keys":
+        rows = keys(conn)
+        print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),
+                    [(i, r, b, n, o.isoformat(timespec="seconds") if o else "-",
+                      u.isoformat(timespec="seconds") if u else "-") for i, r, b, n, o, u in rows])
+        waiting = [r for r in rows if r[1] in ("previous", "NOT CONFIGURED") and r[2]]
+        print(f"{sum(r[2] for r in waiting)} batch(es) still need a key other than the current one"
+              + ("" if any(r[1] in ("current", "previous") for r in rows) else
+                 " (the reconciler has not recorded the configured keys yet)"))
+    elif args.cmd == "dead-letters":
+        return _dead_letters(args, conn)
+    elif args.cmd == "breaker":
+        return _breaker(args, conn)
     else:
         if not args.outbox.is_file():
             print(f"error: outbox file {args.outbox} not found", file=sys.stderr)
@@ -136,6 +235,49 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         print(json.dumps(result, indent=2))
         bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
         return 1 if bad else 0
+    return 0
+
+
+def _dead_letters(args: argparse.Namespace, conn: psycopg.Connection) -> int:
+    ids = [int(x) for x in args.ids.split(",") if x.strip()] if args.ids else None
+    if args.action == "list":
+        rows = dead_letters(conn, ids, args.campaign)
+        print_table(("id", "kind", "campaign", "user_id", "key", "dead_lettered_at", "error"),
+                    [(*r[:6], (r[6] or "")[:80]) for r in rows])
+        print(f"{len(rows)} undecided dead letter(s)")
+        return 0
+    if ids is None and not args.all:
+        print("error: name the rows (--ids) or pass --all", file=sys.stderr)
+        return 2
+    if args.action == "resend" and not args.accept_duplicate_risk:
+        print("error: a resend under a new key may deliver an email the provider already accepted under the old "
+              "one; pass --accept-duplicate-risk to take that decision", file=sys.stderr)
+        return 2
+    targets = [int(r[0]) for r in dead_letters(conn, ids, args.campaign)]
+    try:
+        changed = decide_dead_letters(conn, args.action, targets, args.by, args.reason)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.action}: {len(changed)} dead letter(s) decided" + (f" ({', '.join(map(str, changed))})"
+                                                                   if changed else ""))
+    return 0
+
+
+def _breaker(args: argparse.Namespace, conn: psycopg.Connection) -> int:
+    from mailflow.store.sql import query
+
+    if args.close:
+        if not args.by.strip():
+            print("error: --by names who closes the breaker", file=sys.stderr)
+            return 2
+        with conn.transaction():
+            row = conn.execute(query("breaker", "close"), {"account": args.close,
+                                                          "holder": f"by hand: {args.by.strip()}"}).fetchone()
+        print(f"closed the breaker of {args.close}" if row else f"the breaker of {args.close} was not open")
+        return 0
+    print_table(("account", "state", "opened_at", "reason", "failures", "opened_total", "probe_holder",
+                 "probe_until", "closed_at", "closed_by"), conn.execute(query("breaker", "breakers")).fetchall())
     return 0
 
 

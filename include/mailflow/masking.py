@@ -2,7 +2,8 @@
 
 Airflow masks a connection's password and the extra fields whose *names* look sensitive
 (``password``, ``secret``, ``api_key``, ...) only in some code paths, and never a field such as
-``old_keys`` (the unsubscribe signing keys kept for rotation, which still verify tokens). Every
+``old_keys`` (the unsubscribe signing keys kept for rotation, which still verify tokens) or
+``previous_api_keys`` (earlier provider keys kept for the reconciler's resends). Every
 function that reads a secret from a connection calls :func:`mask_connection` first, so the values
 are replaced by ``***`` in task logs (and in the supervisor's output) whatever logs them later.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-SECRET_EXTRA_KEYS = ("old_keys",)
+SECRET_EXTRA_KEYS = ("old_keys", "previous_api_keys")
 """Extra fields of our connections whose values are secrets although their names do not say so."""
 
 

@@ -16,6 +16,18 @@ Runs every 30 minutes (``reconcile_send_log``). In order, each step a guarded, i
    2xx resolves them. The request slot is reserved before the claim, inside the budget. A strict
    batch refused whole by validation is sent again with the same key and bytes in permissive mode
    (its rows may not be re-keyed; the refusal proves the key holds no accepted request).
+   A batch is resent only under the API key it was first sent with (``send_batch.key_identity``:
+   the provider scopes idempotency keys per API key, so another key could deliver it twice): the
+   current key, or a previous key kept for resends (``previous``); a NULL identity (a batch stored
+   before that column existed) goes under the current key, as before. A batch whose key is neither
+   is HELD: not claimed, not resent, reported in ``held`` for an alert, and dead-lettered by step 3
+   once past the window (docs/operations.md, "Rotating the API key").
+
+While the shared circuit breaker is open (:mod:`mailflow.provider.breaker`), step 4 is the probe:
+the reconciler takes the probe lease (one process at a time) and resends the oldest stale batch
+under its key; an answer closes the breaker and the other batches follow, a 5xx, a timeout or a
+refused connection keeps it open and ends the step. With no stale batch it probes with
+``GET /domains``. Without the lease (another process probes) nothing is resent this run.
 
 Whole-request failures never charge users (docs/model.md), so there is no "attempts exhausted"
 step. Dead letters found in step 3 are returned so the DAG can alert through a notifier.
@@ -26,14 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 
+from mailflow.provider.breaker import CircuitBreaker, is_answer
 from mailflow.sendloop.clock import Clock, SystemClock
-from mailflow.sendloop.engine import BatchProvider, _send, reserve_slot
+from mailflow.sendloop.engine import BatchProvider, _send, key_identity_of, reserve_slot
 from mailflow.sendloop.outcome import NotSent, PreparedBatch, Refused, RunContext
 from mailflow.store.send_log import PostgresStore, mask_email
 from mailflow.store.sql import query
@@ -46,7 +60,8 @@ IDEMPOTENCY_WINDOW = timedelta(hours=23)  # Resend keeps keys 24 h; 1 h of margi
 @dataclass
 class RepairSummary:
     """Counts of one reconcile run (rows), plus the dead letters created (dicts: id, user_id,
-    campaign, masked email, error)."""
+    campaign, masked email, error) and the batches held because their API key is not configured
+    (dicts: key, campaign, key_identity, created_at, rows still sending)."""
 
     promoted_sent: int = 0
     rolled_back_unbatched: int = 0
@@ -56,7 +71,9 @@ class RepairSummary:
     resent_failed: int = 0
     resent_rolled_back: int = 0
     resent_still_unknown: int = 0
+    circuit: str = "closed"
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    held: list[dict[str, Any]] = field(default_factory=list)
 
     def changed(self) -> int:
         """Rows whose state changed in this run."""
@@ -64,15 +81,16 @@ class RepairSummary:
                 + self.resent_failed + self.resent_rolled_back)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "dead_letters"} | {
-            "dead_letters": len(self.dead_letters)}
+        return {k: v for k, v in self.__dict__.items() if k not in ("dead_letters", "held")} | {
+            "dead_letters": len(self.dead_letters), "held": len(self.held)}
 
 
 def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetime,
               stale_after: timedelta = timedelta(minutes=15),
               window: timedelta = IDEMPOTENCY_WINDOW, run: RunContext | None = None,
               deadline: float = float("inf"), batch_limit: int = 500,
-              clock: Clock | None = None) -> RepairSummary:
+              clock: Clock | None = None,
+              previous: Mapping[str, Callable[[], BatchProvider]] | None = None) -> RepairSummary:
     """Run the repair steps once; see the module docstring.
 
     :param conn: psycopg 3 connection to the send log, idle (switched to autocommit; each step is an
@@ -81,6 +99,11 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
         window are measured from (the reconciler repairs the present, so wall time is right here).
     :param deadline: ``clock.monotonic()`` value (default clock: the system's) after which no new
         batch is resent; the budget covers the wait for each batch's request slot.
+    :param provider: sends under the connection's current API key; its ``key_identity`` (None for
+        a double without one: every batch is then resent with it, as before identities existed).
+    :param previous: key identity -> factory of a provider for a previous API key (same account,
+        same pacer; :meth:`mailflow.provider.hook.ResendHook.previous_clients`), called on first use;
+        batches first sent under that key are resent with it. A batch under any other key is held.
     """
     clock = clock or SystemClock()
     store = PostgresStore(conn)  # sets autocommit: each step below commits on its own
@@ -90,6 +113,22 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
     window_start = now - window
     params = who | {"stale_before": stale_before, "window_start": window_start}
     s = RepairSummary()
+    current = key_identity_of(provider)
+    usable: list[str] | None = None
+    if current is not None:
+        usable = [current] + [i for i in dict.fromkeys(previous or {}) if i != current]
+        with conn.transaction():
+            conn.execute(query("repair", "forget_key_identities"), {"identities": usable})
+            conn.execute(query("repair", "record_key_identities"), {"identities": usable})
+    senders: dict[str, BatchProvider] = {}
+
+    def sender_for(identity: str | None) -> BatchProvider:
+        if identity is None or identity == current or previous is None or identity not in previous:
+            return provider  # unknown (legacy) identity, or no identities at all: the current key
+        if identity not in senders:
+            senders[identity] = previous[identity]()
+        return senders[identity]
+
     with conn.transaction():
         s.promoted_sent = len(conn.execute(query("repair", "promote_with_provider_id"), params).fetchall())
         s.rolled_back_unbatched = len(conn.execute(query("repair", "release_unbatched"), params).fetchall())
@@ -98,11 +137,58 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
             s.dead_letters.append({"id": r[0], "user_id": r[1], "campaign": r[2], "email": mask_email(r[3]), "error": r[4]})
 
     with conn.transaction():
-        batches = conn.execute(query("repair", "stale_batches"), params | {"limit": batch_limit}).fetchall()
+        batches = conn.execute(query("repair", "stale_batches"),
+                               params | {"limit": batch_limit, "identities": usable}).fetchall()
+        held = conn.execute(query("repair", "held_batches"), params | {"identities": usable}).fetchall() \
+            if usable is not None else []
+    for key, campaign, identity, created_at, sending in held:
+        # Resending under another API key could deliver it twice (idempotency keys are scoped per
+        # key): held, untouched, until its key is configured again or the window closes.
+        s.held.append({"key": key, "campaign": campaign, "key_identity": identity, "created_at": created_at,
+                       "rows": int(sending)})
+        if len(s.held) > 20:
+            continue  # the count below and the alert name the rest
+        log.error("batch %s (%s, %d emails still sending) was first sent under API key %s, which is neither the "
+                  "current key (%s) nor a previous_api_keys entry: held, not resent under another key (it could "
+                  "deliver twice); put that key back in previous_api_keys (docs/operations.md, 'Rotating the API "
+                  "key') or it becomes a dead letter when its idempotency window closes",
+                  key, campaign, int(sending), identity, current)
+    if len(s.held) > 20:
+        log.error("%d batches (%d emails) held in all, first sent under API keys that are not configured",
+                  len(s.held), sum(h["rows"] for h in s.held))
+    breaker = CircuitBreaker.for_run(conn, provider, run)
+    probing = False
+    if breaker.state().open:
+        s.circuit = "open"
+        if not batches:
+            # nothing ambiguous to probe with: a read that mints nothing (one per run at most)
+            s.circuit = "closed by probe" if breaker.admit(provider, deadline, clock) is None else "open"
+            return s
+        probing = breaker.take_probe()
+        if not probing:
+            log.warning("circuit breaker open and another process holds the probe: no resend this run")
+            return s
+        log.warning("circuit breaker open: probing with a same-key resend of batch %s", batches[0][0])
+    try:
+        _resend(conn, store, sender_for, breaker, batches, params, run, deadline, clock, s, probing)
+    finally:
+        if breaker.state().probe_holder == breaker.holder:
+            breaker.release_probe()
+    return s
+
+
+def _resend(conn: psycopg.Connection, store: PostgresStore, sender_for: Callable[[str | None], BatchProvider],
+            breaker: CircuitBreaker,
+            batches: list[Any], params: dict[str, Any], run: RunContext, deadline: float, clock: Clock,
+            s: RepairSummary, probing: bool) -> None:
+    """Step 4: resend stale batches under their keys, each with the client of the API key it was
+    first sent under (``sender_for(identity)``); the first one is the breaker's probe when
+    ``probing`` (its answer closes the breaker, a failure ends the step)."""
     slot: float | None = None
-    for key, campaign, body, count, validation in batches:
+    for key, campaign, body, count, validation, identity in batches:
+        sender = sender_for(identity)
         if slot is None:
-            slot = reserve_slot(provider, deadline, clock)
+            slot = reserve_slot(sender, deadline, clock)
         if slot is None:
             log.info("resend step: the next request slot falls after the budget; the rest waits for the next run")
             break
@@ -116,8 +202,8 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
                       key, len(rows), [r[1] for r in rows], count)
             continue
         batch = PreparedBatch(idempotency_key=key, campaign=campaign, row_ids=tuple(r[0] for r in rows),
-                              body=bytes(body), validation=validation)
-        outcome = _send(provider, batch, deadline, slot)
+                              body=bytes(body), validation=validation, key_identity=identity)
+        outcome = _send(sender, batch, deadline, slot)
         slot = None
         if isinstance(outcome, Refused):
             # Strict validation refused the stored request as a whole. Its key holds no accepted
@@ -127,7 +213,7 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
             log.info("batch %s refused by strict validation (%s); resending it permissive under the same key",
                      key, outcome.reason)
             batch = dataclasses.replace(batch, validation="permissive")
-            outcome = _send(provider, batch, deadline, None)
+            outcome = _send(sender, batch, deadline, None)
         # Rows of the batch that are no longer 'sending' are skipped by the guarded updates.
         applied = store.apply(batch, outcome, run)
         s.batches_resent += 1
@@ -137,7 +223,14 @@ def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetim
         s.resent_still_unknown += applied.unknown
         log.info("resent batch %s (%s, %d emails): %d sent, %d rejected, %d rolled back, %d still unknown",
                  key, campaign, count, applied.sent, applied.failed, applied.released, applied.unknown)
+        failure = breaker.record(outcome)  # an answer closes the breaker, a whole-request failure opens it
+        if probing:
+            probing = False
+            s.circuit = "closed by probe" if is_answer(outcome) else "open"
+            if failure is not None or not is_answer(outcome):
+                log.warning("probe resend of batch %s was not answered (%s): the breaker stays open",
+                            key, getattr(outcome, "reason", ""))
+                break
         if outcome.stop_run or isinstance(outcome, NotSent):
             log.warning("stopping the resend step: %s", outcome.stop_run or getattr(outcome, "reason", ""))
             break
-    return s

@@ -116,18 +116,36 @@ def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any, pac
         done.set()
 
 
-def setup(dsn: str, users: int) -> list[int]:
+NEVER_DECIDED = ("select count(*) from app.users u where not exists (select 1 from mail.send_log l"
+                 " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped', 'duplicate'))")
+NEVER_DECIDED_SHARED = (
+    "select count(*) from app.users u where not exists (select 1 from mail.send_log l"
+    " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped', 'duplicate'))"
+    " and not exists (select 1 from mail.send_log m where m.status in ('sent', 'sending')"
+    " and ((u.user_id % 10 = 0 and m.user_id = u.user_id - 1) or (u.user_id % 10 = 9 and m.user_id = u.user_id + 1)))")
+"""Users with no decision; with shared mailboxes, a user is also decided when the other user id at
+its mailbox (user ids 10k - 1 and 10k) was emailed."""
+
+
+def setup(dsn: str, users: int, shared_mailboxes: bool = False) -> list[int]:
     """Fresh users ``1..users`` and the two scheduled campaigns (drafts with their recipient lists);
-    returns the campaign ids. Expects a migrated database with the demo app schema."""
+    returns the campaign ids. Expects a migrated database with the demo app schema.
+
+    ``shared_mailboxes``: every 10th user id has the mailbox of the user before it, spelled
+    differently (case and surrounding whitespace), so the claimers also meet at mailbox locks."""
     from mailflow.sources import scheduled
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.campaign_address,"
+        conn.execute("truncate mail.send_event, mail.send_log, mail.send_batch, mail.contact, mail.mailbox,"
+                     " mail.campaign_address,"
                      " mail.campaign_event,"
                      " mail.campaign_recipient, mail.campaign, app.assessments, app.users restart identity cascade")
         conn.execute("insert into app.users (user_id, email, first_name, signed_up_at, timezone, plan)"
                      " select i, 'user' || i || '@example.com', 'First' || i, '2025-01-01', 'UTC', 'free'"
                      " from generate_series(1, %s::bigint) as i", (users,))
+        if shared_mailboxes:
+            conn.execute("update app.users set email = ' USER' || (user_id - 1) || '@Example.COM' || chr(9)"
+                         " where user_id % 10 = 0")
         ids = []
         for name, on_policy, every in SCHEDULED:
             cid = scheduled.create_campaign(conn, {
@@ -146,12 +164,16 @@ def setup(dsn: str, users: int) -> list[int]:
 
 
 def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2, rounds: int = 1,
-        seconds: float = 60.0, pace: float = 0.05) -> dict[str, Any]:
+        seconds: float = 60.0, pace: float = 0.05, shared_mailboxes: bool = False) -> dict[str, Any]:
     """Run the mixed claimers against ``dsn`` (migrated, demo app schema) and return the counts.
+
+    ``shared_mailboxes`` (see :func:`setup`) adds the invariant ``mailboxes_with_two_contacts_in_cooldown``
+    (by the stored mailbox key); a user held back because the other user id at its mailbox was
+    emailed counts as decided.
 
     :returns: ``{"users", "processes", "seconds", "counts": {...}, "invariants": {...}}``.
     """
-    ids = setup(dsn, users)
+    ids = setup(dsn, users, shared_mailboxes)
     ctx = multiprocessing.get_context("spawn")
     parties = 1 + lifecycle + dispatchers
     barrier, done, held = ctx.Barrier(parties), ctx.Event(), ctx.Queue()
@@ -206,13 +228,16 @@ def run(dsn: str, *, users: int = 2000, lifecycle: int = 3, dispatchers: int = 2
                 "select count(*) from (select user_id from mail.send_log where status in ('sent', 'sending')"
                 " group by user_id having count(*) > 1 and max(coalesce(sent_at, now()))"
                 " - min(coalesce(sent_at, now())) < interval '7 days') as x"),
-            "users_never_decided": one(
-                "select count(*) from app.users u where not exists (select 1 from mail.send_log l"
-                " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped'))"),
+            "users_never_decided": one(NEVER_DECIDED_SHARED if shared_mailboxes else NEVER_DECIDED),
             "due_rows_left_pending": one("select count(*) from mail.send_log where status = 'pending'"
                                          " and scheduled_at <= now()"),
             "processes_failed": len(failed),
         }
+        if shared_mailboxes:
+            invariants["mailboxes_with_two_contacts_in_cooldown"] = one(
+                "select count(*) from (select email_key from mail.send_log where status in ('sent', 'sending')"
+                " group by email_key having count(*) > 1 and max(coalesce(sent_at, now()))"
+                " - min(coalesce(sent_at, now())) < interval '7 days') as x")
     return {"users": users, "processes": len(procs), "seconds": round(elapsed, 1), "failed": failed,
             "counts": counts, "invariants": invariants}
 
@@ -226,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lifecycle", type=int, default=4)
     p.add_argument("--dispatchers", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shared-mailboxes", action="store_true",
+                   help="every 10th user id shares the mailbox of the one before (spelled differently)")
     p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"),
                    help="maintenance DSN of a server to create a scratch database on (default: embedded)")
     args = p.parse_args(argv)
@@ -243,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             migrate(conn)
             conn.execute(schema_sql())
         report = run(dsn, users=args.users, lifecycle=args.lifecycle, dispatchers=args.dispatchers,
-                     rounds=args.rounds, seconds=600.0)
+                     rounds=args.rounds, seconds=600.0, shared_mailboxes=args.shared_mailboxes)
     finally:
         devenv.drop_database(admin, name)
         if started:

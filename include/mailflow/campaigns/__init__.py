@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from mailflow.campaigns.templating import check_campaign_templates
 from mailflow.sendloop.outcome import DataInterval, as_timedelta
 from mailflow.store.policy import Cap, ContactPolicy, policy_from_mapping
 
@@ -78,7 +79,8 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
 
     :param only: keep just these campaign names (a DAG Param); unknown names raise.
     :raises ValueError: naming the campaign and field for a missing field, a duplicate name or
-        priority, a bad duration, or a missing audience/template file.
+        priority, a bad duration, a missing audience/template file, or a subject or template that
+        is not valid Jinja or tries to leave the sandbox (:mod:`mailflow.campaigns.templating`).
     """
     path = path or CAMPAIGNS_DIR / "lifecycle.toml"
     doc = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -100,6 +102,10 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> l
             t = base / "templates" / f"{merged['template']}{suffix}"
             if not t.is_file():
                 raise ValueError(f"{path.name}: campaign {label!r}: template {t} not found")
+        try:  # subject and templates render in the sandbox: refuse one that tries to leave it now
+            check_campaign_templates(str(label), str(merged["subject"]), str(merged["template"]), base / "templates")
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
         if "cooldown" in raw:
             raise ValueError(f"{path.name}: campaign {label!r}: the cooldown is set once for every campaign, "
                              f"in [policy] (a transactional campaign sets policy = \"exempt\")")

@@ -52,7 +52,9 @@ import psycopg
 from mailflow.provider.client import ResendClient, _error_fields, parse_retry_after
 from mailflow.provider.errors import describe_refusal
 from mailflow.sendloop.outcome import RunContext
+from mailflow.store.policy import mailbox_key
 from mailflow.store.sql import query
+from mailflow.store.suppression import suppress_address
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +74,13 @@ class FeedbackError(RuntimeError):
 
 
 def normalise_address(value: str) -> str:
-    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"``: the address of an RFC 5322 mailbox,
-    trimmed; the domain is case-insensitive (RFC 5321 section 2.4) and so, in practice, is the local
-    part (every mailbox provider we send to treats it so), so both are lower-cased."""
+    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"``: the mailbox key
+    (:func:`mailflow.store.policy.mailbox_key`) of an RFC 5322 mailbox's address; the domain is
+    case-insensitive (RFC 5321 section 2.4) and so, in practice, is the local part (every mailbox
+    provider we send to treats it so). Not a valid address: the trimmed text, case-folded."""
     _name, addr = email.utils.parseaddr(value.strip())
-    return (addr or value).strip().lower()
+    text = (addr or value).strip()
+    return mailbox_key(text) or text.casefold()
 
 
 def recipient_matches(to: Any, address: str) -> bool:
@@ -263,10 +267,9 @@ def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int
             "id": send_log_id, "pid": provider_id, "event": event, "final": event in FINAL_EVENTS})
         source = SUPPRESSING_EVENTS.get(event)
         if source is not None:
-            row = conn.execute(query("suppression", "suppress_address"), {
-                "email": email, "source": source,
-                "reason": f"provider last_event {event} (send_log {send_log_id}, email {provider_id})"}).fetchone()
-            if row is None:
+            new = suppress_address(conn, email, source=source,
+                                   reason=f"provider last_event {event} (send_log {send_log_id}, email {provider_id})")
+            if not new:
                 summary.already_suppressed += 1
                 decision = f"feedback: last_event {event}; address already suppressed"
             else:

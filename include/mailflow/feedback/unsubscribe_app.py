@@ -19,6 +19,11 @@ Gmail/Yahoo bulk-sender rules):
 * The database or the signing secret unavailable: a friendly page with **503** and
   ``Retry-After`` (the mail provider retries a one-click POST), never a 500 with a traceback.
 
+"Stop all marketing" (the list ``all``) also suppresses every mailbox the user was mailed at (their
+stored keys in ``mail.send_log``), so another user id at the same mailbox gets no more marketing
+either. The endpoint's database role needs ``INSERT, SELECT (id)`` on ``mail.suppression`` and
+``SELECT (user_id, email, email_key)`` on ``mail.send_log``, nothing else.
+
 Suppressions land in ``mail.suppression`` (user_id, scope, source, created_at); the next audience
 selection (``store/sql/queries/lifecycle.sql``) and the scheduled dispatcher (which cancels a due row of
 a suppressed user) honour them. Pages are plain HTML built from escaped strings, with
@@ -28,6 +33,8 @@ that forbids framing (a hidden confirm button cannot be clickjacked). Tokens are
 Run it: ``python -m mailflow.feedback.unsubscribe_app --port 8090 --dsn postgresql://...`` (secret from
 ``MAILFLOW_UNSUBSCRIBE_SECRET`` or ``AIRFLOW_CONN_MAIL_UNSUBSCRIBE``); in Airflow, the plugin
 ``plugins/mailflow_unsubscribe.py`` mounts :func:`create_airflow_app` at ``/mailflow-unsubscribe``.
+Standalone, it times out half-sent requests and caps its connections
+(:mod:`mailflow.feedback.unsubscribe_server`); docs/unsubscribe.md says what a reverse proxy adds.
 """
 
 from __future__ import annotations
@@ -48,12 +55,13 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mailflow import settings
 from mailflow.feedback.unsubscribe_pages import _confirm_form, _page, _scope_label
+from mailflow.feedback.unsubscribe_server import FD_RESERVE, ServerLimits, serve
 from mailflow.feedback.unsubscribe_tokens import (
     ALL_MARKETING,
     ExpiredToken,
@@ -85,8 +93,14 @@ def record_unsubscribe(conn: psycopg.Connection, user_id: int, scope: str, sourc
                        reason: str | None = None) -> bool:
     """Suppress ``user_id`` for ``scope`` (a campaign name or ``all``) in ``mail.suppression``.
 
-    Idempotent (``ON CONFLICT DO NOTHING``): returns True if the suppression is new, False if it
-    existed. Runs in the caller's connection and commits on its own transaction block.
+    "Stop all marketing" (``scope == 'all'``) acts on the mailbox as well as the user: every mailbox
+    the user was mailed at (the stored keys of their send-log rows) is suppressed for all mail in the
+    same transaction, so another user id at that mailbox gets nothing more either
+    (docs/model.md, "The mailbox key"). One list (a campaign name) stays per user.
+
+    Idempotent (``ON CONFLICT DO NOTHING``): returns True if the user's suppression is new, False if
+    it existed (the mailboxes are suppressed either way). Runs in the caller's connection and
+    commits on its own transaction block.
 
     :param source: ``one_click``, ``confirm_page`` or e.g. ``mailto`` (a processed unsubscribe email).
     :raises psycopg.Error: on any database failure.
@@ -94,6 +108,12 @@ def record_unsubscribe(conn: psycopg.Connection, user_id: int, scope: str, sourc
     with conn.transaction():
         row = conn.execute(query("suppression", "suppress_user"),
                            {"user_id": int(user_id), "scope": scope, "source": source, "reason": reason}).fetchone()
+        if scope == ALL_MARKETING:
+            boxes = conn.execute(query("suppression", "mailboxes_of_user"), {"user_id": int(user_id)}).fetchall()
+            if boxes:
+                conn.execute(query("suppression", "suppress_mailboxes"), {
+                    "keys": [str(b[0]) for b in boxes], "emails": [str(b[1]) for b in boxes], "scope": ALL_MARKETING,
+                    "source": source, "reason": f"all marketing stopped by user {int(user_id)}"})
     return row is not None
 
 
@@ -214,7 +234,10 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
             # a person or a link scanner: show the question, change nothing
             return page("Unsubscribe?", f"<p>Do you want to stop receiving {html.escape(_scope_label(scope))}?</p>"
                         + _confirm_form(scope), 200, request)
-        body = await _read_body(request, max_body_bytes)
+        try:
+            body = await _read_body(request, max_body_bytes)
+        except ClientDisconnect:  # gone before its body arrived (e.g. the server's body timeout): nothing to do
+            return Response(status_code=400)
         if body is None:
             return page("Request too large", "<p>Nothing was changed.</p>", 413, request)
         content_type = request.headers.get("content-type", "")
@@ -328,14 +351,29 @@ def main(argv: list[str] | None = None) -> int:
 
     The DSN comes from ``--dsn``, ``MAILFLOW_UNSUBSCRIBE_DSN`` or ``MAILFLOW_DSN``; the secret from
     the environment (:func:`signer_from_env`). Exits with 2 if either is missing. The access log is
-    off (paths carry tokens); the app logs user ids and lists only.
+    off (paths carry tokens); the app logs user ids and lists only. Slow or idle clients cannot
+    hold it down: header and body read timeouts, a header size bound and a connection cap below the
+    file-descriptor limit (:mod:`mailflow.feedback.unsubscribe_server`; flags ``--header-timeout``,
+    ``--body-timeout``, ``--keep-alive``, ``--max-header-bytes``, ``--max-connections``).
     """
+    defaults = ServerLimits()
     p = argparse.ArgumentParser(prog="python -m mailflow.feedback.unsubscribe_app", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8090)
     p.add_argument("--dsn", default=os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN"),
                    help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
     p.add_argument("--brand", default="Aptitude Practice")
+    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this (else 408; default %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout, metavar="SECONDS",
+                   help="its body must arrive within this after the headers (default %(default)s)")
+    p.add_argument("--keep-alive", type=int, default=defaults.keep_alive, metavar="SECONDS",
+                   help="an idle kept-alive connection is closed after this (default %(default)s)")
+    p.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes, metavar="BYTES",
+                   help="larger request headers get 431 (default %(default)s)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open client connections at most (default 1000; never more than the soft "
+                        f"file-descriptor limit minus {FD_RESERVE})")
     args = p.parse_args(argv)
     if not args.dsn:
         p.error(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
@@ -343,13 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         signer = signer_from_env()
     except Unavailable as exc:
         p.error(str(exc))
-    import uvicorn
+    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive=args.keep_alive, max_header_bytes=args.max_header_bytes,
+                          max_connections=args.max_connections)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(signer, connect_factory(args.dsn), brand=args.brand)
     log.info("unsubscribe endpoint on http://%s:%s/u/<token> (key ids %s)", args.host, args.port,
              sorted(signer.keys))
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False, proxy_headers=True, log_level="info")
+    serve(app, host=args.host, port=args.port, limits=limits)
     return 0
 
 

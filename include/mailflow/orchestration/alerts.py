@@ -89,3 +89,20 @@ def dead_letter_alert(dead_letters: list[dict[str, Any]], context: Any) -> None:
     if len(dead_letters) > 50:
         lines.append(f"  ... and {len(dead_letters) - 50} more")
     notifier("\n".join(lines), subject=f"mailflow: {len(dead_letters)} dead letter(s)")(context)
+
+
+def held_batch_alert(held: list[dict[str, Any]], context: Any) -> None:
+    """Alert once for the ambiguous batches a reconcile run held because the API key they were first
+    sent with is configured neither as the connection's key nor in ``previous_api_keys`` (no-op for
+    an empty list). Each line names the batch, its campaign, rows and key identity (never a key)."""
+    if not held:
+        return
+    rows = sum(int(h["rows"]) for h in held)
+    lines = [f"{len(held)} ambiguous batch(es), {rows} email(s), held: first sent under an API key that is no "
+             "longer configured; resending them under another key could deliver twice. Put the old key in the "
+             "connection's previous_api_keys (docs/operations.md, 'Rotating the API key'); past their "
+             "idempotency window they become dead letters. `mailflow keys` lists them."]
+    lines += [f"  batch {h['key']} campaign={h['campaign']} rows={h['rows']} key={h['key_identity']}" for h in held[:50]]
+    if len(held) > 50:
+        lines.append(f"  ... and {len(held) - 50} more")
+    notifier("\n".join(lines), subject=f"mailflow: {len(held)} batch(es) held for a missing API key")(context)

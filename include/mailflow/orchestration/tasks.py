@@ -168,7 +168,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     ``time_budget_seconds``. (Whole-request failures never charge users, so there is no attempts cap.)
     """
 
-    from mailflow.orchestration.alerts import dead_letter_alert
+    from mailflow.orchestration.alerts import dead_letter_alert, held_batch_alert
     from mailflow.provider.hook import ResendHook
     from mailflow.reconciler import reconcile
     from mailflow.store.migrate import require_current
@@ -182,14 +182,20 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
         require_current(conn)
         now = conn.execute("select now()").fetchone()[0]
-        client = ResendHook(settings.RESEND_CONN_ID).get_conn()
+        hook = ResendHook(settings.RESEND_CONN_ID)
+        client = hook.get_conn()
         try:
+            # previous_api_keys: ambiguous batches are resent under the key they were first sent with
             summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale),
-                                run=run, deadline=time.monotonic() + budget)
+                                run=run, deadline=time.monotonic() + budget, previous=hook.previous_clients())
         finally:
-            client.close()
+            hook.close()
     log.info("reconcile: %s", summary.as_dict())
+    if summary.circuit == "open":
+        log.warning("the provider's circuit breaker is open: its probe was not answered; senders mint and claim "
+                    "nothing new (docs/operations.md, 'Circuit breaker')")
     dead_letter_alert(summary.dead_letters, context)
+    held_batch_alert(summary.held, context)
     return summary.as_dict()
 
 

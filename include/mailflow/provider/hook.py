@@ -3,8 +3,10 @@
 Connection: host = API base URL (default ``https://api.resend.com``), password = API key; extras
 ``requests_per_second``, ``target_fraction``, ``batch_validation``, ``timeout_seconds``,
 ``connect_timeout_seconds``, ``pacer_conn_id``, ``max_retry_after_seconds`` (the cap on a shared
-rate-limit hold, default 60, at most 120). The connection is resolved lazily in
-:meth:`ResendHook.get_conn`; the API key never leaves the client's Authorization header.
+rate-limit hold, default 60, at most 120), ``previous_api_keys`` (a list of earlier keys of the same
+account, kept only so the reconciler can resend ambiguous batches under the key they were first sent with:
+docs/operations.md, "Rotating the API key"; masked like the password). The connection is resolved lazily in
+:meth:`ResendHook.get_conn`; the API keys never leave the clients' Authorization headers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import httpx
 import psycopg
 from airflow.sdk import BaseHook
 
-from mailflow.provider.client import ResendClient, RetryPolicy
+from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import DEFAULT_MAX_HOLD_SECONDS, Pacer, PostgresPacer, check_max_hold
 from mailflow.sendloop.clock import Clock
 
@@ -38,6 +40,7 @@ class ResendHook(BaseHook):
         super().__init__(**kwargs)
         self.resend_conn_id = resend_conn_id
         self._client: ResendClient | None = None
+        self._previous: dict[str, ResendClient] = {}
 
     def _connection(self) -> Any:
         """The connection, with its API key (and any secret extra) registered with Airflow's
@@ -75,6 +78,60 @@ class ResendHook(BaseHook):
             "max_retry_after_seconds": check_max_hold(extra.get("max_retry_after_seconds")
                                                       or DEFAULT_MAX_HOLD_SECONDS),
         }
+
+    def previous_api_keys(self) -> list[str]:
+        """The connection's ``previous_api_keys`` extra: a JSON list of keys (or one key, or several
+        separated by commas or whitespace), empty entries dropped, in the order given. Secrets:
+        registered with the masker before they are returned (:mod:`mailflow.masking`)."""
+        raw = (self._connection().extra_dejson or {}).get("previous_api_keys") or []
+        items = raw.replace(",", " ").split() if isinstance(raw, str) else [str(k) for k in raw]
+        from mailflow.masking import mask
+
+        keys = [k.strip() for k in items if k and k.strip()]
+        mask(keys)  # each key on its own (a separated string was masked whole)
+        return keys
+
+    def key_identities(self) -> tuple[str, list[str]]:
+        """``(current, previous)``: the non-secret identities (:func:`~mailflow.provider.client.key_identity`)
+        of the connection's key and of its ``previous_api_keys``, as stored with each batch.
+
+        :raises ValueError: if the connection has no API key.
+        """
+        base = self.settings()["base_url"]
+        current = key_identity(base, str(self._connection().password))
+        previous = [key_identity(base, k) for k in self.previous_api_keys()]
+        return current, [i for i in dict.fromkeys(previous) if i != current]
+
+    def previous_clients(self) -> dict[str, Callable[[], ResendClient]]:
+        """Identity -> factory of a client for each previous API key other than the connection's own
+        (for the reconciler's resends of batches first sent under that key). A client is built on first call and kept; it shares the
+        base URL, timeouts, retry policy, clock and pacer of :meth:`get_conn`'s client (one rate limit per
+        account), so call :meth:`get_conn` first. :meth:`close` closes them."""
+        s = self.settings()
+        base = s["base_url"]
+        current = key_identity(base, str(self._connection().password))
+        keys = {i: k for k in self.previous_api_keys() if (i := key_identity(base, k)) != current}
+
+        def factory(identity: str) -> Callable[[], ResendClient]:
+            def build() -> ResendClient:
+                if identity not in self._previous:
+                    own = self.get_conn()
+                    self._previous[identity] = ResendClient(
+                        base, keys[identity], pacer=own.pacer, clock=own.clock, validation=own.validation,
+                        policy=own.policy, conn_id=self.resend_conn_id,
+                        timeout=httpx.Timeout(s["timeout_seconds"], connect=s["connect_timeout_seconds"]))
+                return self._previous[identity]
+            return build
+
+        return {identity: factory(identity) for identity in keys}
+
+    def close(self) -> None:
+        """Close every client this hook built (the current key's and the previous keys')."""
+        for client in [self._client, *self._previous.values()]:
+            if client is not None:
+                client.close()
+        self._client = None
+        self._previous = {}
 
     def shared_pacer(self) -> PostgresPacer:
         """The account's slot schedule in the pacing database (shared by every sender)."""

@@ -60,6 +60,25 @@ def peek_slot(provider: object, deadline: float) -> float | None:
     return start
 
 
+def key_identity_of(provider: object) -> str | None:
+    """The non-secret identity of the API key ``provider`` sends with (``ResendClient.key_identity``),
+    or None for a provider that has none (a test double): the store records it with every batch."""
+    identity = getattr(provider, "key_identity", None)
+    return identity if isinstance(identity, str) else None
+
+
+def stamp_identity(prepare: Callable[[Sequence[MintedRow]], PreparedBatch],
+                   provider: object) -> Callable[[Sequence[MintedRow]], PreparedBatch]:
+    """``prepare`` whose batches carry ``provider``'s key identity (:func:`key_identity_of`), so the
+    store records, in the statement that stores the bytes, which API key the batch is sent under."""
+    identity = key_identity_of(provider)
+
+    def stamped(rows: Sequence[MintedRow]) -> PreparedBatch:
+        return dataclasses.replace(prepare(rows), key_identity=identity)
+
+    return stamped
+
+
 def chunk_size_ok(chunk_size: int) -> int:
     """Validate a chunk size (emails per batch request).
 
@@ -109,6 +128,12 @@ CLAIM_AT_SEND = float("-inf")
 
 
 def _send(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
+    sender = key_identity_of(provider)
+    if batch.key_identity is not None and sender is not None and batch.key_identity != sender:
+        # the provider may scope idempotency keys per API key: under another key the same key and
+        # bytes could be processed twice. Callers pick the client by the batch's identity.
+        raise ValueError(f"batch {batch.idempotency_key} was stored for API key {batch.key_identity}, "
+                         f"not for this client's key {sender}: never sent under another key")
     if slot == CLAIM_AT_SEND:
         return provider.send_batch(batch, deadline, claim_at_send=True)  # type: ignore[call-arg]
     if slot is None or not hasattr(provider, "reserve_slot"):  # a double without slots: no slot to pass

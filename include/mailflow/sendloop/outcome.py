@@ -53,6 +53,10 @@ class PreparedBatch:
     ``validation`` mode (``x-batch-validation``; None: the client's configured mode). The key the
     renderer gives is provisional: the store assigns the final one when it stores the batch (see
     docs/model.md, "Idempotency keys").
+
+    ``key_identity`` is the non-secret identity of the API key that will send it
+    (``ResendClient.key_identity``; None: unknown, e.g. a test double). The store records it with
+    the bytes: the provider scopes idempotency keys per API key, so a resend must use that key.
     """
 
     idempotency_key: str
@@ -60,6 +64,7 @@ class PreparedBatch:
     row_ids: tuple[int, ...]
     body: bytes
     validation: str | None = None
+    key_identity: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.row_ids) <= 100:
@@ -178,11 +183,13 @@ class CampaignSummary:
 
 class SendError(RuntimeError):
     """Raised after a run has recorded everything it could, when a person must act (bad API key,
-    idempotency conflict, a whole campaign rejected). ``summaries`` holds the run's counts."""
+    idempotency conflict, a whole campaign rejected, a provider that could not be reached).
+    ``summaries`` holds a lifecycle run's counts, ``summary`` a scheduled dispatch run's."""
 
-    def __init__(self, message: str, summaries: list[CampaignSummary] | None = None):
+    def __init__(self, message: str, summaries: list[CampaignSummary] | None = None, summary: Any = None):
         super().__init__(message)
         self.summaries = summaries or []
+        self.summary = summary
 
 
 def iso(dt: datetime) -> str:

@@ -2,8 +2,9 @@
 
 Determinism is what makes retries safe: the same rows and templates always give the same bytes,
 so a retry under the same Idempotency-Key is accepted by the provider as the same request
-(Resend: same key + different payload = 409). Templates are Jinja2 with autoescape on for HTML,
-``StrictUndefined`` (a missing variable is an error naming the template), no clock or randomness.
+(Resend: same key + different payload = 409). Templates are Jinja2 in the sandbox (subjects
+included; :mod:`mailflow.campaigns.templating`) with autoescape on for HTML, ``StrictUndefined``
+(a missing variable is an error naming the template), no clock or randomness.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import jinja2
+from jinja2.sandbox import SandboxedEnvironment
 
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
+from mailflow.campaigns.templating import sandboxed_env, subject_template
 from mailflow.sendloop.keys import idempotency_key
 from mailflow.sendloop.outcome import MintedRow, PreparedBatch
 
@@ -40,24 +43,12 @@ def _autoescape(name: str | None) -> bool:
 
 
 def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
-    """Jinja2 environment for campaign templates: HTML autoescaped, text not, strict undefined."""
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir or CAMPAIGNS_DIR / "templates")),
-        autoescape=_autoescape,
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        # templates are version-controlled files loaded once per process: no stat() of every
-        # template (and its layout) per email to check for edits during a run
-        auto_reload=False,
-    )
-
-
-def subject_template(text: str) -> jinja2.Template:
-    """A campaign's subject line as a Jinja2 template (plain text: no autoescape; strict undefined).
-
-    :raises jinja2.TemplateSyntaxError: if ``text`` is not a valid template.
-    """
-    return jinja2.Environment(autoescape=False, undefined=jinja2.StrictUndefined).from_string(text)
+    """Jinja2 environment for campaign templates: sandboxed (see :mod:`mailflow.campaigns.templating`),
+    HTML autoescaped, text not, strict undefined."""
+    # templates are version-controlled files loaded once per process: no stat() of every
+    # template (and its layout) per email to check for edits during a run (auto_reload off)
+    return sandboxed_env(jinja2.FileSystemLoader(str(templates_dir or CAMPAIGNS_DIR / "templates")),
+                         autoescape=_autoescape)
 
 
 class Renderer:
@@ -74,7 +65,9 @@ class Renderer:
     :param issued_on: the UTC issue date put into every token (v2 tokens, which expire when the
         verifier sets a maximum age); ``None`` (default): v1 tokens without a date. A fixed input,
         never the clock, so rendering stays deterministic.
+    :param env: the templates' environment (default :func:`template_env`); it must be sandboxed.
     :raises ValueError: if the mailto address is not a plain ``local@domain`` address.
+    :raises TypeError: if ``env`` is not a :class:`jinja2.sandbox.SandboxedEnvironment`.
     """
 
     def __init__(self, signer: UnsubscribeSigner, public_url: str, app_url: str, env: jinja2.Environment | None = None,
@@ -82,6 +75,8 @@ class Renderer:
         self.signer = signer
         self.public_url = public_url.rstrip("/")
         self.app_url = app_url.rstrip("/")
+        if env is not None and not isinstance(env, SandboxedEnvironment):
+            raise TypeError("campaign templates render only in a sandboxed environment (template_env())")
         self.env = env or template_env()
         self._subjects: dict[str, jinja2.Template] = {}
         # (campaign, template name) -> compiled template: get_template() per email stats the file

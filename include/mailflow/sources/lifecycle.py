@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from functools import partial
 
 from mailflow.campaigns import Campaign
+from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
 from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import (
     CLAIM_AT_SEND,
@@ -27,6 +28,7 @@ from mailflow.sendloop.engine import (
     peek_slot,
     release_unsent,
     reserve_slot,
+    stamp_identity,
 )
 from mailflow.sendloop.outcome import (
     Accepted,
@@ -59,6 +61,7 @@ def run_lifecycle(
     allow_old_interval: bool = False,
     pipelined: bool = False,
     apply_store: Store | None = None,
+    breaker: CircuitBreaker | None = None,
 ) -> list[CampaignSummary]:
     """Send every campaign's audience for one data interval, highest priority first.
 
@@ -84,9 +87,15 @@ def run_lifecycle(
     than ``campaign.max_interval_age`` before it, the campaign sends nothing (its moment has passed)
     unless ``allow_old_interval``; the summary says so. ``now`` only gates; it never selects.
 
+    The circuit breaker (``breaker``; default: the provider account's shared one in the store's
+    database, :class:`~mailflow.provider.breaker.CircuitBreaker`) is asked before each chunk is
+    minted: while it is open nothing is minted and the run stops with ``circuit open``; a chunk
+    whose whole request failed (5xx, timeout, reset, refused connection) opens it.
+
     :returns: one :class:`CampaignSummary` per campaign, in priority order.
     :raises SendError: after recording everything, if the provider refused the key or an idempotency
-        conflict needs a person, or a whole campaign's emails were rejected.
+        conflict needs a person, or a whole campaign's emails were rejected, or the provider failed
+        whole requests or the breaker was open (the run could not send: it must not look green).
     """
     clock = clock or SystemClock()
     run = run or RunContext()
@@ -94,6 +103,8 @@ def run_lifecycle(
     deadline = clock.monotonic() + budget_seconds
     summaries: list[CampaignSummary] = []
     state = _RunState()
+    conn = getattr(store, "conn", None)
+    state.breaker = breaker or (CircuitBreaker.for_run(conn, provider, run) if conn is not None else None)
     open_audience = getattr(store, "open_audience", None)
     close_audience = getattr(store, "close_audience", None)
     pipe = ChunkPipeline(store, provider, run, enabled=pipelined, apply_store=apply_store)
@@ -135,6 +146,11 @@ def run_lifecycle(
                  summary.released, summary.unknown, summary.invalid, summary.duplicates, summary.held,
                  summary.skipped,
                  f" (stopped: {summary.stopped})" if summary.stopped else "")
+    if state.breaker is not None and state.breaker.opened_by_run is not None:
+        # the provider failed whole requests or the breaker was open: the run could not send
+        state.fatal.append(f"provider down ({state.stop or CIRCUIT_OPEN}): {state.breaker.opened_by_run}; "
+                           f"nothing new is minted until a probe is answered (docs/operations.md, 'Circuit breaker')")
+        log.error("lifecycle run could not send: %s", state.fatal[-1])
     if state.fatal:
         raise SendError("; ".join(state.fatal), summaries)
     return summaries
@@ -152,6 +168,7 @@ def _can_start(provider: BatchProvider, clock: Clock, deadline: float) -> bool:
 class _RunState:
     stop: str | None = None
     fatal: list[str] = dataclasses.field(default_factory=list)
+    breaker: CircuitBreaker | None = None
 
 
 def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, campaign: Campaign,
@@ -172,7 +189,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
         summary.stopped = state.stop
         log.info("%s: %d eligible, not started (%s)", campaign.name, summary.eligible, state.stop)
         return
-    prepare = partial(renderer.prepare_batch, campaign)
+    prepare = stamp_identity(partial(renderer.prepare_batch, campaign), provider)
     cursor = 0
     slot: float | None = None
     # Pipelined with a provider that can predict its next slot: the budget check before the mint
@@ -195,6 +212,9 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             slot = None  # reserved for a page that minted nothing; the budget has run out since
         if slot is None:
             summary.stopped = state.stop = "time budget"
+            return
+        if state.breaker is not None and state.breaker.admit(provider, deadline, clock) is not None:
+            summary.stopped = state.stop = CIRCUIT_OPEN  # nothing minted: nobody is charged
             return
         minted = store.mint_chunk(
             campaign, window, cooldown_since, after=cursor, limit=chunk_size, run=run,
@@ -245,6 +265,8 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
              summary.campaign, batch.idempotency_key, len(batch.row_ids), applied.sent,
              applied.failed, applied.released, applied.unknown,
              "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
+    if state.breaker is not None:
+        state.breaker.record(outcome)  # a whole-request failure opens it for every sender
     if isinstance(outcome, NotSent | Unknown | Refused):
         if outcome.fatal:
             state.fatal.append(f"{summary.campaign}: {outcome.reason}")

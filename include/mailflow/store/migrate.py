@@ -23,6 +23,9 @@ Safe on a live database:
   Concurrently"); before each ``create index concurrently NAME``, an invalid index of that name is
   dropped concurrently and rebuilt, a valid one is kept. The file's record is written after its
   last statement, so an interrupted file runs again from its start.
+* **Python steps.** A line ``-- migrate: python <name>`` in a non-transactional file runs the
+  backfill step ``<name>`` of :mod:`mailflow.store.backfill` at that point, for values PostgreSQL
+  cannot compute (0018's mailbox keys). A step must be idempotent and resumable, like the file.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 LOCK_KEY = 7_406_215_001  # arbitrary, fixed: pg_advisory_lock key of the migrator
 NO_TRANSACTION = "-- migrate: no-transaction"
 """First line of a migration file whose statements must run outside a transaction."""
+PYTHON_STEP = "-- migrate: python "
+"""Prefix of a line of a non-transactional file that runs a named step of ``mailflow.store.backfill``."""
 _FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 _STATEMENT_END = re.compile(r";[ \t]*(?:--[^\n]*)?$", re.MULTILINE)
 _CREATE_INDEX = re.compile(
@@ -70,9 +75,17 @@ class Migration:
         """
         out = []
         for piece in _STATEMENT_END.split(self.sql):
-            code = "\n".join(line for line in piece.splitlines() if not line.strip().startswith("--")).strip()
-            if code:
-                out.append(code)
+            code: list[str] = []
+            for line in piece.splitlines():
+                if line.strip().lower().startswith(PYTHON_STEP):
+                    if "\n".join(code).strip():
+                        out.append("\n".join(code).strip())
+                    code = []
+                    out.append(PYTHON_STEP + line.strip()[len(PYTHON_STEP):].strip())
+                elif not line.strip().startswith("--"):
+                    code.append(line)
+            if "\n".join(code).strip():
+                out.append("\n".join(code).strip())
         return out
 
 
@@ -212,6 +225,15 @@ def _apply_concurrently(conn: psycopg.Connection, m: Migration) -> None:
     conn.execute("set lock_timeout = 0")  # a concurrent build may wait for old transactions; it blocks nobody
     try:
         for statement in m.statements():
+            if statement.startswith(PYTHON_STEP):
+                from mailflow.store.backfill import STEPS
+
+                name = statement[len(PYTHON_STEP):]
+                if name not in STEPS:
+                    raise ValueError(f"{m.name}: no backfill step named {name!r} in mailflow.store.backfill")
+                log.info("%s: running the backfill step %s", m.name, name)
+                STEPS[name](conn)
+                continue
             index = _CREATE_INDEX.match(statement)
             if index is not None:
                 schema = index.group("schema") or "public"

@@ -20,6 +20,12 @@ re-evaluates :func:`evaluate` over the user's contacts read after the lock.
 
 **Address hygiene** (:func:`normalise_address`) runs before any request on both paths, with
 ``email-validator`` (no DNS: ``check_deliverability=False``).
+
+**The mailbox key** (:func:`mailbox_key`, docs/model.md "The mailbox key") is the one definition of
+"the same mailbox": computed here, in Python, once per address, stored with every send-log row
+(``send_log.email_key``) and every address suppression (``suppression.email_key``), and compared as
+stored by SQL (never re-derived there: PostgreSQL's ``lower()`` depends on the database's locale).
+The contact guard locks and counts mailboxes as well as users (``mail.mailbox``).
 """
 
 from __future__ import annotations
@@ -176,10 +182,10 @@ def evaluate(policy: ContactPolicy, contacts: Iterable[Contact], *, ref: datetim
 @dataclass(frozen=True)
 class Address:
     """A checked address: ``send`` is what goes in the request (trimmed, NFC, domain IDNA-encoded
-    and lower-cased; local part as given); ``key`` is for deduplication and suppression (the local
-    part lower-cased too); ``keys`` also holds the Unicode-domain form (suppression entries typed by
-    people). ``error`` is the validator's reason when the address is invalid (then the others are
-    empty)."""
+    and lower-cased; local part as given); ``key`` is its :func:`mailbox_key` (deduplication,
+    suppression, the contact guard's mailbox lock); ``keys`` = ``(key,)`` (kept for callers that
+    match a set of spellings). ``error`` is the validator's reason when the address is invalid
+    (then the others are empty)."""
 
     raw: str
     send: str = ""
@@ -192,12 +198,41 @@ class Address:
         return self.error is None
 
 
+def fold_local_part(local: str) -> str:
+    """The case-folding rule of the mailbox key for a local part: Unicode full case folding
+    (``str.casefold``, the "caseless matching" of the Unicode Standard, section 3.13; the data is
+    the running Python's Unicode database, 14.0 on Python 3.11), then NFC again (folding can
+    decompose: ``İ`` folds to ``i`` + U+0307).
+
+    Why casefold and not ``lower``: ``lower`` is not a matching rule. Python's ``lower`` applies the
+    final-sigma context (``ΟΔΟΣ`` -> ``οδος`` but ``οδοσ`` stays), so one mailbox typed two ways got
+    two keys; casefold maps ``Σ``, ``σ`` and ``ς`` to ``σ``, ``İ`` and ``i̇`` to ``i̇``, ``Ä`` to ``ä``,
+    and ``ß``, ``ẞ`` and ``SS`` to ``ss``. The last one merges ``straße`` with ``strasse``: we accept
+    that (the upper case of ``ß`` is ``SS``, so a person typing the address in capitals reaches the
+    same mailbox; the cost of a false merge is one email held back or one bounce suppressing a
+    near-identical spelling, never a second email to one person). ASCII folds exactly as ``lower``,
+    so every key of an ASCII address is what it was before."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", local).casefold())
+
+
+def mailbox_key(raw: str | None) -> str | None:
+    """The mailbox key of an address, or None if it is not a valid address: the one normalisation
+    of the package (trim, NFC, ``email-validator`` syntax check without DNS, the domain IDNA-encoded
+    by UTS #46 and lower-cased, the local part folded by :func:`fold_local_part`).
+
+    Computed in Python when a row or a suppression is written and stored; SQL compares stored
+    keys only. Idempotent: ``mailbox_key(mailbox_key(x)) == mailbox_key(x)``. Never raises.
+    """
+    a = normalise_address(raw)
+    return a.key if a.valid else None
+
+
 def normalise_address(raw: str | None) -> Address:
     """Check and normalise one recipient address (RFC 5321/6531 via ``email-validator``, no DNS).
 
     Trim, Unicode-normalise (NFC), IDNA-encode the domain for sending (UTS #46 via the validator),
-    lower-case the domain; the local part keeps its case for sending and is compared
-    case-insensitively (``key``) for deduplication only. Never raises: an invalid address comes
+    lower-case the domain; the local part keeps its case for sending and is folded
+    (:func:`fold_local_part`) for the mailbox key only. Never raises: an invalid address comes
     back with ``error`` = the validator's message.
     """
     text = unicodedata.normalize("NFC", (raw or "").strip())
@@ -209,9 +244,8 @@ def normalise_address(raw: str | None) -> Address:
         return Address(raw=raw or "", error=str(exc))
     domain = (v.ascii_domain or v.domain).lower()
     send = f"{v.local_part}@{domain}"
-    key = f"{v.local_part.lower()}@{domain}"
-    alt = f"{v.local_part.lower()}@{v.domain.lower()}"
-    return Address(raw=raw or "", send=send, key=key, keys=tuple(dict.fromkeys((key, alt))))
+    key = f"{fold_local_part(v.local_part)}@{domain}"
+    return Address(raw=raw or "", send=send, key=key, keys=(key,))
 
 
 def _human(d: timedelta) -> str:

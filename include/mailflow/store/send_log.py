@@ -33,6 +33,7 @@ from mailflow.store.contact_guard import (
     caps_sql,
     contact_params,
     duplicate_reason,
+    with_mailbox_contacts,
 )
 from mailflow.store.policy import contacts_from_rows, evaluate, normalise_address
 from mailflow.store.sql import query
@@ -253,10 +254,11 @@ class PostgresStore:
         The guard (docs/model.md, "The contact policy"): addresses are normalised and checked
         (invalid: a ``failed`` row with the validator's reason, no request); suppression is matched
         on the normalised address; addresses the provider rejected earlier in this run are left
-        out; the users' ``mail.contact`` rows are locked (user_id order) and the policy is
-        re-evaluated on what is committed now, so a concurrent claim of another path or run for the
-        same user is seen; a second user at an address the campaign already mails gets a
-        ``duplicate`` row naming the first. Either all of it commits (rows ``sending`` with their
+        out; the users' ``mail.contact`` rows are locked (user_id order), then their mailboxes'
+        ``mail.mailbox`` rows (key order), and the policy is re-evaluated on what is committed now,
+        counting the user's contacts and every other user's at the same mailbox, so a concurrent
+        claim of another path or run for the same user or mailbox is seen; a second user at an
+        address the campaign already mails gets a ``duplicate`` row naming the first. Either all of it commits (rows ``sending`` with their
         batch bytes, re-sendable by the reconciler) or none of it does.
         """
         params = self._params(campaign, window, cooldown_since) | {"after": after, "limit": limit}
@@ -278,16 +280,18 @@ class PostgresStore:
                 return MintResult(page_size=0, cursor=after, batch=None)
             cursor, read = max(r[0] for r in page), len(page)
             addresses = {int(r[0]): normalise_address(r[1]) for r in page}
-            decided = [{"user_id": r[0], "email": (r[1] or "").strip(), "context": r[2], "status": "failed",
+            decided = [{"user_id": r[0], "email": (r[1] or "").strip(), "email_key": None, "context": r[2],
+                        "status": "failed",
                         "error": f"invalid address: {addresses[r[0]].error}"} for r in page if not addresses[r[0]].valid]
             valid = [r for r in page if addresses[r[0]].valid]
             keys = sorted({k for r in valid for k in addresses[r[0]].keys})
             uids = sorted({int(r[0]) for r in valid})
             rejected = self._memory.rejected_in_run(conn, run.run_id)
             # round trip 2 (one pipeline; the server runs the statements in this order, each seeing
-            # the ones before): suppression re-checks, the contact guard's lock, then what the lock
-            # makes authoritative: the users' contacts and their live rows of this campaign.
-            gone_cur = barred_cur = now_cur = contacts_cur = taken_cur = None
+            # the ones before): suppression re-checks, the contact guard's locks (users, then
+            # mailboxes), then what the locks make authoritative: the users' and the mailboxes'
+            # contacts and the users' live rows of this campaign.
+            gone_cur = barred_cur = now_cur = contacts_cur = box_cur = taken_cur = None
             with conn.pipeline():
                 if snapshot is not None:
                     # the snapshot may have aged: a user who unsubscribed since is left out
@@ -298,11 +302,14 @@ class PostgresStore:
                                               {"keys": keys, "campaign": campaign.name})
                     conn.execute(query("contact", "ensure_contacts"), {"ids": uids})
                     conn.execute(query("contact", "lock_contact_rows"), {"ids": uids})
+                    conn.execute(query("contact", "ensure_mailboxes"), {"keys": keys})
+                    conn.execute(query("contact", "lock_mailbox_rows"), {"keys": keys})
                     now_cur = conn.execute(query("contact", "db_now"))
                     taken_cur = conn.execute(query("mint", "taken"), {"ids": uids, "campaign": campaign.name})
                     if checks_policy:
-                        contacts_cur = conn.execute(query("contact", "contact_times"), contact_params(
-                            uids, policy, ref=ref, include_planned=True))
+                        cparams = contact_params(uids, policy, ref=ref, include_planned=True)
+                        contacts_cur = conn.execute(query("contact", "contact_times"), cparams)
+                        box_cur = conn.execute(query("contact", "mailbox_contact_times"), cparams | {"keys": keys})
             gone = {int(x[0]) for x in gone_cur} if gone_cur is not None else set()
             barred = {str(x[0]) for x in barred_cur} if barred_cur is not None else set()
             barred |= rejected
@@ -316,6 +323,9 @@ class PostgresStore:
                 assert now_row is not None
                 now = now_row[0]
                 contacts = contacts_from_rows(contacts_cur.fetchall())
+                if box_cur is not None:
+                    contacts = with_mailbox_contacts(contacts, box_cur.fetchall(),
+                                                     {int(r[0]): addresses[r[0]].key for r in valid})
                 valid = [r for r in valid if evaluate(policy, contacts.get(int(r[0]), ()), ref=ref, now=now) is None]
             held -= len(valid)
             if valid and taken_cur is not None:
@@ -339,8 +349,9 @@ class PostgresStore:
                 for r in valid:
                     holder = holders[addresses[r[0]].key]
                     if holder != int(r[0]):
-                        decided.append({"user_id": r[0], "email": addresses[r[0]].send, "context": r[2],
-                                        "status": "duplicate", "error": duplicate_reason(addresses[r[0]].key, holder)})
+                        decided.append({"user_id": r[0], "email": addresses[r[0]].send,
+                                        "email_key": addresses[r[0]].key, "context": r[2], "status": "duplicate",
+                                        "error": duplicate_reason(addresses[r[0]].key, holder)})
                 valid = [r for r in valid if holders[addresses[r[0]].key] == int(r[0])]
             duplicates = sum(1 for d in decided if d["status"] == "duplicate")
             if decided:
@@ -380,7 +391,8 @@ class PostgresStore:
                              "context": r.context, "idx": i} for i, r in enumerate(rows)])})
                         self.conn.execute(query("mint", "save_batch_keyed"), {
                             "key": key, "campaign": batch.campaign, "count": len(batch.row_ids),
-                            "body": batch.body, "validation": batch.validation})
+                            "body": batch.body, "validation": batch.validation,
+                            "key_identity": batch.key_identity})
                     claimed = {int(x[0]) for x in minted_cur}
                     if len(claimed) != len(rows):
                         raise _LostRows(claimed)
@@ -393,7 +405,7 @@ class PostgresStore:
     def _save_batch(self, batch: PreparedBatch) -> PreparedBatch:
         row = self.conn.execute(query("send_log", "save_batch"), {
             "tag": key_tag(batch.campaign), "campaign": batch.campaign, "count": len(batch.row_ids),
-            "body": batch.body, "validation": batch.validation}).fetchone()
+            "body": batch.body, "validation": batch.validation, "key_identity": batch.key_identity}).fetchone()
         assert row is not None
         batch = dataclasses.replace(batch, idempotency_key=str(row[0]))
         assigned = self.conn.execute(query("send_log", "assign_batch"), {

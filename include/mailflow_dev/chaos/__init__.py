@@ -31,7 +31,10 @@ reconciler's idempotency window reads) by ``s``. The ``outage`` kind holds a 6-h
 then an unreachable provider, then 503s) with runs every 10 simulated minutes; ``quota`` exhausts a
 daily quota and keeps hitting it for 4 simulated hours until the provider's next UTC day.
 ``team_rate_limit`` runs on the real clock: another API key of the same team takes most of a 5
-requests/s cap, so our senders meet 429s with retry-after.
+requests/s cap, so our senders meet 429s with retry-after. ``key_rotation_while_ambiguous`` leaves
+batches ambiguous under one API key, then rotates it: one reconcile run with only the new key must hold
+them (no request, no row changed; ``info.held_run``), and the recovery runs with the old key as a
+previous key.
 """
 
 from __future__ import annotations

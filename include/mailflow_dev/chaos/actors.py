@@ -3,6 +3,7 @@ its planned point (before/after mint or claim, in flight, before apply)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -18,7 +19,7 @@ import httpx
 import psycopg
 
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
-from mailflow.provider.client import ResendClient, RetryPolicy
+from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.sendloop.clock import Clock, FakeClock, SystemClock
 from mailflow.sendloop.outcome import RunContext, SendError
@@ -139,8 +140,22 @@ def run_actor(spec: ActorSpec) -> None:
             conn.autocommit = True
             row = conn.execute("select now()").fetchone()
             assert row is not None
-            reconcile(conn, client, now=row[0], stale_after=timedelta(0), run=run, clock=clock,
-                      deadline=clock.monotonic() + budget)
+            built: list[ResendClient] = []
+
+            def previous_client(key: str) -> Callable[[], ResendClient]:
+                def build() -> ResendClient:  # the hook's previous_api_keys: same account and pacing
+                    built.append(_client(dataclasses.replace(spec, api_key=key), clock))
+                    return built[-1]
+                return build
+
+            try:
+                reconcile(conn, client, now=row[0], stale_after=timedelta(0), run=run, clock=clock,
+                          deadline=clock.monotonic() + budget,
+                          previous={key_identity(spec.base_url, k): previous_client(k) for k in spec.previous_keys})
+            finally:
+                for c in built:
+                    c.pacer.close()  # type: ignore[attr-defined]
+                    c.close()
         client.pacer.close()  # type: ignore[attr-defined]
 
 

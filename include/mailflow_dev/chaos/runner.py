@@ -34,6 +34,7 @@ from mailflow_dev.chaos.scenarios import (
     FAULTS_OFF,
     HANG_SECONDS,
     KILL_POINTS,
+    ROTATED_KEY,
     SCENARIOS,
     SENDING_ONLY_KEY,
     ActorSpec,
@@ -72,10 +73,13 @@ class Runner:
         self.sim = 0.0
         self.base_url = emu.base_url
         self.n = 0
+        self.key = scn.key  # the actors' API key (a rotation changes it)
+        self.previous_keys: tuple[str, ...] = ()
 
     def spec(self, actor: str) -> ActorSpec:
         self.n += 1
-        return ActorSpec(actor=actor, dsn=self.dsn, base_url=self.base_url, api_key=self.scn.key,
+        return ActorSpec(actor=actor, dsn=self.dsn, base_url=self.base_url, api_key=self.key,
+                         previous_keys=self.previous_keys,
                          strict=self.scn.strict, campaigns=self.campaigns,
                          sim_seconds=None if self.scn.real_clock else self.sim, chunk_size=self.chunk_size,
                          run_id=f"{self.scn.name}-{self.n}", error_log=str(self.error_log),
@@ -162,6 +166,50 @@ def _outage_phase(r: Runner, kills: int, step_minutes: float) -> None:
     _kill_phase(r, kills, first_chunk=True)
 
 
+def _long_outage_phase(r: Runner, kills: int, step_minutes: float, hours: float = 30.0) -> None:
+    """An outage longer than the idempotency window (23 h here, 24 h at Resend): ``hours`` simulated
+    hours of 503s to everything, reads included, with the provider unreachable (connection refused)
+    from hour 10 to 14. The dispatcher runs every step (at least 30 simulated minutes apart), the
+    reconciler every step and the sender every other; kills land on random runs, and those that found
+    nothing to kill on runs after the outage. With the circuit
+    breaker only the batches in flight when the outage began may become dead letters; everyone else
+    is still eligible and is mailed once in the recovery."""
+    step = max(step_minutes, 30.0) * 60
+    steps = max(2, round(hours * 3600 / step))
+    dead = f"http://127.0.0.1:{free_port()}"
+    schedule = [["dispatcher", "reconciler"] + (["sender"] if i % 2 == 0 else []) for i in range(steps)]
+
+    def before(i: int) -> None:
+        r.base_url = dead if 10 * 3600 <= i * step < 14 * 3600 else r.emu.base_url
+
+    r.emu.configure(outage=True)
+    _stepped(r, kills, schedule, step, before)
+    r.base_url = r.emu.base_url
+    _decide_dead_letters(r)
+    # with the breaker open almost no run of the outage reaches a batch to be killed at: the kills
+    # still due land on the way back (the breaker's probe, the resends, the re-opened dead letters)
+    r.emu.configure(outage=False)
+    _kill_phase(r, kills)
+
+
+def _decide_dead_letters(r: Runner) -> None:
+    """The runbook's decision (docs/operations.md, "Dead letters"), taken as a person would: a dead
+    letter whose key the provider never delivered (not in the outbox: the outage answered 503 before
+    processing) is re-opened for a resend under a new key; one it did deliver is closed. The audit
+    then proves nobody was mailed twice."""
+    from mailflow.cli import dead_letters, decide_dead_letters
+
+    delivered = {str(d.get("idempotency_key")) for d in r.emu.emu.read_outbox()}
+    with psycopg.connect(r.dsn, autocommit=True) as conn:
+        rows = dead_letters(conn)
+        for decision, ids in (("resend", [int(x[0]) for x in rows if x[4] not in delivered]),
+                              ("close", [int(x[0]) for x in rows if x[4] in delivered])):
+            if ids:
+                decide_dead_letters(conn, decision, ids, "chaos runner",
+                                    "the provider's outbox shows whether the key was delivered")
+    r.report.info["dead_letters_decided"] = len(rows)
+
+
 def _quota_phase(r: Runner, kills: int, step_minutes: float) -> None:
     """The emulator's day is set to end 4 simulated hours from now; a daily quota of a third of the
     work runs out within the first steps, and every run after it meets 429 daily_quota_exceeded
@@ -178,6 +226,27 @@ def _quota_phase(r: Runner, kills: int, step_minutes: float) -> None:
     _stepped(r, kills, schedule, to_day_end / steps, lambda i: None)
     _kill_phase(r, kills, first_chunk=True)
     r.emu.configure(quota_emails=None)
+
+
+def _rotation_phase(r: Runner, kills: int) -> None:
+    """Batches made ambiguous (and senders killed) under the scenario's key; then the key is rotated:
+    faults off, one reconcile run with only the new key (the old batches must be held: nothing sent,
+    nothing claimed), and from then on every actor uses the new key and the reconciler keeps the old
+    one as a previous key (docs/operations.md, "Rotating the API key") for the recovery."""
+    _kill_phase(r, kills)
+    r.emu.configure(**FAULTS_OFF)
+
+    def ambiguous() -> int:
+        with psycopg.connect(r.dsn, autocommit=True) as conn:
+            row = conn.execute("select count(*) from mail.send_log where status = 'sending'").fetchone()
+        return int(row[0]) if row else 0
+
+    before, requests = ambiguous(), int(r.emu.emu.stats()["requests"])
+    r.key, r.previous_keys = ROTATED_KEY, ()
+    r.run("reconciler", kill=False)
+    r.report.info["held_run"] = {"sending_before": before, "sending_after": ambiguous(),
+                                 "requests": int(r.emu.emu.stats()["requests"]) - requests}
+    r.previous_keys = (r.scn.key,)
 
 
 def recover(r: Runner, max_rounds: int = 25) -> int:
@@ -277,8 +346,12 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
     emu.configure(**(FAULTS_OFF | faults))
     if scn.driver == "outage":
         _outage_phase(r, kills, step_minutes)
+    elif scn.driver == "long_outage":
+        _long_outage_phase(r, kills, step_minutes)
     elif scn.driver == "quota":
         _quota_phase(r, kills, 1.5 * step_minutes)
+    elif scn.driver == "rotation":
+        _rotation_phase(r, kills)
     elif scn.name == "team_rate_limit":
         with _noise(emu.base_url, 4.0):
             _kill_phase(r, kills)

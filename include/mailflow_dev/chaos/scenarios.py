@@ -36,8 +36,8 @@ UNEXPECTED = 4  # exit code of a child that raised something other than SendErro
 class Scenario:
     """One fault kind: ``faults`` = emulator settings of the fault phase; ``key`` = the API key the
     actors use; ``strict`` = strict batch validation (some users' emails are refused by the
-    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage`` or ``quota``
-    (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
+    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage``,
+    ``long_outage`` or ``quota`` (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
 
     name: str
     about: str
@@ -79,6 +79,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("mixed", "every fault above at a low rate at once",
              {"error_rate": 0.05, "error_after_rate": 0.05, "reset_after_accept_rate": 0.05, "timeout_rate": 0.05,
               "hang_seconds": HANG_SECONDS, "scramble_order": True}, status_cycle=(500, 502, 503, 504), weight=1.5),
+    Scenario("key_rotation_while_ambiguous", "batches left ambiguous under one API key, then the key is rotated: "
+             "a reconcile run with only the new key, then recovery with the old key in previous_api_keys",
+             {"reset_after_accept_rate": 0.3, "error_after_rate": 0.2, "reset_mode": "abort"}, driver="rotation"),
+    Scenario("outage_longer_than_window", "30 simulated hours of 503s (4 h unreachable): past the idempotency window",
+             {}, driver="long_outage", weight=1.5),
     Scenario("skewed_retry_after_date", "429s whose Retry-After is an HTTP-date 1 s ahead by a clock 10 min fast",
              {"rate_limited_rate": 0.3, "retry_after_style": "http-date", "date_skew_seconds": 600}, weight=0.7),
     Scenario("absurd_retry_after", "429s asking for years (100000000, an overflowing number, year 9999) or 1e300",
@@ -88,6 +93,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("slow_pacer_db", "the actors' pacer database answers 0-0.5 s late; 10 requests/s per team",
              {"rate_limit": 10}, real_clock=True, slow_pacer=True, weight=0.5),
 )
+ROTATED_KEY = SENDING_ONLY_KEY  # the new key after a rotation: a sending-only key of the same team
 
 FAULTS_OFF: dict[str, Any] = {
     "error_rate": 0.0, "error_after_rate": 0.0, "reset_after_accept_rate": 0.0, "timeout_rate": 0.0,
@@ -121,6 +127,7 @@ class ActorSpec:
     chunk_size: int
     run_id: str
     error_log: str
+    previous_keys: tuple[str, ...] = ()  # the reconciler's previous_api_keys (key rotation)
     slow_pacer: bool = False
 
 

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+from mailflow.sendloop.render import template_env
 from mailflow_dev.demo import LoadSummary, load_demo_data
 from mailflow_dev.demo.__main__ import main as demo_cli
 
@@ -411,12 +412,7 @@ def _autoescape(template_name: str | None) -> bool:
 
 @pytest.fixture(scope="module")
 def env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        autoescape=_autoescape,
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-    )
+    return template_env(TEMPLATES)  # what the senders render with: the sandbox
 
 
 SAMPLE_EXTRA: dict[str, dict[str, Any]] = {

@@ -24,6 +24,7 @@ from mailflow.provider.pacing import PostgresPacer
 from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.lifecycle import run_lifecycle
+from mailflow.store.suppression import suppress_address
 
 H = timedelta(hours=1)
 NOW_ISH = timedelta(0)
@@ -249,7 +250,7 @@ def test_every_suppression_decision_is_a_send_event_even_when_already_suppressed
     rig.users({1: "user1@example.com", 2: "user2@example.com"})
     rig.emulator.configure(bounce=["user1@example.com"], complain=["user2@example.com"])
     rig.send("feedback_a")
-    rig.db.execute("insert into mail.suppression (email, scope, source) values ('USER2@example.com', 'all', 'manual')")
+    suppress_address(rig.db, "USER2@example.com", source="manual")
     s = rig.poll()
     assert (s.suppressed, s.already_suppressed) == (1, 1)
     assert [(e[0], e[1], e[2], e[3], e[4]) for e in events_of(rig)] == [

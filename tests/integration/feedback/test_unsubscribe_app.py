@@ -357,8 +357,8 @@ def test_the_standalone_server_runs_with_uvicorn(db: psycopg.Connection, db_dsn:
     assert missing.returncode == 2 and "MAILFLOW_UNSUBSCRIBE_SECRET" in missing.stderr
 
 
-def test_the_endpoint_needs_only_insert_and_select_id_on_mail_suppression(db: psycopg.Connection,
-                                                                           db_dsn: str) -> None:
+def test_the_endpoint_needs_only_insert_on_suppression_and_the_users_mailboxes(db: psycopg.Connection,
+                                                                              db_dsn: str) -> None:
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     role = f"mf_unsub_{os.getpid()}"
@@ -367,6 +367,8 @@ def test_the_endpoint_needs_only_insert_and_select_id_on_mail_suppression(db: ps
     try:
         db.execute(f"grant usage on schema mail to {role}")
         db.execute(f"grant insert, select (id) on mail.suppression to {role}")
+        # "stop all" suppresses the user's mailboxes too: their stored keys in the send log
+        db.execute(f"grant select (user_id, email, email_key) on mail.send_log to {role}")
         params = conninfo_to_dict(db_dsn) | {"user": role, "password": "unsub-role-pw"}
         with TestClient(create_app(SIGNER, connect_factory(make_conninfo("", **params)))) as c:
             assert c.post(url(42, "all"), **ONE_CLICK).status_code == 200

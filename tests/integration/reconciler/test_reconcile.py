@@ -20,6 +20,7 @@ from mailflow.orchestration.alerts import dead_letter_alert
 from mailflow.provider.client import RetryPolicy
 from mailflow.reconciler import reconcile
 from mailflow.sendloop.clock import FakeClock
+from mailflow.sendloop.outcome import SendError
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the answer is lost and not retried: outcome unknown
 
@@ -33,7 +34,9 @@ def test_unknown_outcome_is_resent_with_same_key_and_delivered_once(rig: Rig) ->
     for uid in range(1, 6):
         add_user(rig.db, uid)
     rig.emulator.configure(reset_after_accept_rate=1.0)  # accepted, but the answer is lost
-    [s] = rig.run([simple_campaign("c1", 1)], client=rig.client(policy=ONE_SHOT, timeout=1.0))
+    with pytest.raises(SendError, match="provider down") as failed:
+        rig.run([simple_campaign("c1", 1)], client=rig.client(policy=ONE_SHOT, timeout=1.0))
+    [s] = failed.value.summaries
     assert (s.minted, s.sent, s.unknown) == (5, 0, 5)
     rows = rig.rows()
     assert {r["status"] for r in rows} == {"sending"}
@@ -94,14 +97,18 @@ def test_past_the_idempotency_window_becomes_unknown_outcome_dead_letter(rig: Ri
     for uid in range(1, 3):
         add_user(rig.db, uid)
     rig.emulator.configure(reset_after_accept_rate=1.0)
-    rig.run([simple_campaign("c1", 1)], client=rig.client(policy=ONE_SHOT, timeout=1.0))
+    with pytest.raises(SendError, match="provider down"):
+        rig.run([simple_campaign("c1", 1)], client=rig.client(policy=ONE_SHOT, timeout=1.0))
     rig.emulator.configure(reset_after_accept_rate=0.0)
     rig.db.execute("update mail.send_batch set created_at = created_at - interval '25 hours'")
     age_claims(rig, 25 * 60)
     requests_before = rig.emulator.stats()["requests"]
     s = repair(rig)
     assert s.unknown_outcome_failed == 2 and s.batches_resent == 0
-    assert rig.emulator.stats()["requests"] == requests_before  # never resent under a new key
+    # never resent under a new key; the reset opened the breaker, so the one request is its probe
+    # (GET /domains: nothing ambiguous is left inside the window to probe with), which closes it
+    assert rig.emulator.stats()["requests"] == requests_before + 1 and s.circuit == "closed by probe"
+    assert len(rig.outbox()) == 2  # delivered once, by the lost answer's request
     rows = rig.rows()
     assert {r["status"] for r in rows} == {"failed"}
     assert all(r["dead_lettered_at"] is not None and r["error"].startswith("unknown outcome") for r in rows)
@@ -177,9 +184,12 @@ def test_chaos_short(pg_admin_dsn: str) -> None:
         assert "sending" not in s["info"]["states"], s["name"]
     by_name = {s["name"]: s for s in report["scenarios"]}
     assert by_name["outage_6h"]["simulated_hours"] == 6 and by_name["quota_exhausted"]["simulated_hours"] == 4
+    assert by_name["outage_longer_than_window"]["simulated_hours"] == 30
     assert by_name["ids_out_of_order"]["info"]["feedback"]["recipient_mismatch"] > 0  # seen, nobody suppressed
     assert by_name["ids_out_of_order"]["info"]["feedback"]["suppressed"] == 0
     assert by_name["last_event_suppressed_failed"]["info"]["feedback"]["provider_suppressed"] > 0
+    held = by_name["key_rotation_while_ambiguous"]["info"]["held_run"]  # only the new key: nothing resent
+    assert held["requests"] == 0 and held["sending_after"] == held["sending_before"]
 
 
 def test_a_row_that_cannot_render_names_the_user_and_keeps_what_was_recorded(rig: Rig) -> None:

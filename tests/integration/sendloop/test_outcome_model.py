@@ -47,6 +47,13 @@ def deliveries_per_user(rig: Rig) -> Counter[str]:
     return Counter(e["to"][0] for e in rig.outbox())
 
 
+def failed_run(rig: Rig, campaigns: list, **kw) -> list:
+    """A run the provider's failure stopped: it fails (SendError, an alert), after recording everything."""
+    with pytest.raises(SendError, match="provider down") as failed:
+        rig.run(campaigns, **kw)
+    return failed.value.summaries
+
+
 def users(rig: Rig, n: int) -> None:
     for uid in range(1, n + 1):
         add_user(rig.db, uid)
@@ -59,7 +66,7 @@ def test_5xx_after_processing_is_never_released(rig: Rig, status: int) -> None:
     users(rig, 3)
     c = simple_campaign("a", 1)
     rig.emulator.configure(error_after_rate=1.0, error_after_status=status)
-    [s] = rig.run([c], client=rig.client(policy=ONE_SHOT))
+    [s] = failed_run(rig, [c], client=rig.client(policy=ONE_SHOT))
     assert (s.minted, s.sent, s.released, s.unknown) == (3, 0, 0, 3)
     rows = rig.rows()
     [key] = {r["idempotency_key"] for r in rows}
@@ -80,7 +87,7 @@ def test_5xx_after_processing_is_never_released(rig: Rig, status: int) -> None:
 def test_5xx_before_processing_is_ambiguous_too_and_resolved_by_the_same_key(rig: Rig) -> None:
     users(rig, 2)
     rig.emulator.configure(error_rate=1.0)  # the client cannot tell this 5xx from the one above
-    [s] = rig.run([simple_campaign("a", 1)])
+    [s] = failed_run(rig, [simple_campaign("a", 1)])
     assert (s.sent, s.released, s.unknown, s.stopped) == (0, 0, 2, "provider unavailable")
     [key] = {r["idempotency_key"] for r in rig.rows()}
     rig.emulator.configure(error_rate=0.0)
@@ -95,7 +102,7 @@ def test_5xx_before_processing_is_ambiguous_too_and_resolved_by_the_same_key(rig
 def test_reconciler_resend_answered_5xx_429_or_out_of_budget_never_releases(rig: Rig) -> None:
     users(rig, 4)
     rig.emulator.configure(error_rate=1.0)  # a 5xx: maybe processed (here: not, so a 429 can answer the key)
-    [s] = rig.run([simple_campaign("a", 1)], client=rig.client(policy=ONE_SHOT))
+    [s] = failed_run(rig, [simple_campaign("a", 1)], client=rig.client(policy=ONE_SHOT))
     assert s.unknown == 4
     [key] = {r["idempotency_key"] for r in rig.rows()}
 
@@ -183,20 +190,25 @@ def test_outage_of_any_length_then_the_next_healthy_run_sends_every_user_once(ri
         lambda: psycopg.connect(rig.dsn), account="dead", requests_per_second=200),
         policy=RetryPolicy(max_attempts=2, base=0.01, cap=0.02), timeout=httpx.Timeout(1.0))
     rig.conns.append(dead)
-    for _ in range(4):
-        [s] = rig.run([c], client=dead, chunk_size=2)
-        assert (s.minted, s.released, s.chunks, s.stopped) == (2, 2, 1, "provider unreachable")
-    rig.emulator.configure(outage=True)  # 503s: ambiguous, each chunk keeps its key
-    for _ in range(3):
-        [s] = rig.run([c], chunk_size=2)
-        assert (s.minted, s.unknown, s.released, s.stopped) == (2, 2, 0, "provider unavailable")
+    # every run fails (an alert); the first one's chunk opens the account's circuit breaker, and the
+    # runs after it mint nothing while their probe (GET /domains) is not answered
+    for i in range(4):
+        [s] = failed_run(rig, [c], client=dead, chunk_size=2)
+        assert (s.minted, s.released, s.stopped) == ((2, 2, "provider unreachable") if i == 0 else
+                                                     (0, 0, "circuit open"))
+    rig.emulator.configure(outage=True)  # 503s: ambiguous, the chunk keeps its key
+    for i in range(3):
+        [s] = failed_run(rig, [c], chunk_size=2)
+        assert (s.minted, s.unknown, s.released, s.stopped) == ((2, 2, 0, "provider unavailable") if i == 0 else
+                                                                (0, 0, 0, "circuit open"))
     assert rig.rows("dead_lettered_at is not null") == []
+    assert len(rig.rows("status = 'sending'")) == 2  # only the chunk in flight when the 503s began
     rig.emulator.configure(outage=False)
     age_claims(rig)
     rep = repair(rig)
-    assert rep.resent_sent == 6
+    assert (rep.resent_sent, rep.circuit) == (2, "closed by probe")  # the same-key resend was the probe
     [s] = rig.run([c], chunk_size=2)
-    assert s.eligible == 0
+    assert (s.eligible, s.sent) == (4, 4)
     assert deliveries_per_user(rig) == Counter({f"user{u}@example.com": 1 for u in range(1, 7)})
 
 

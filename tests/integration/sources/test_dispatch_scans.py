@@ -6,6 +6,7 @@ from __future__ import annotations
 import psycopg
 
 from mailflow.store.sql import query
+from mailflow.store.suppression import suppress_address
 
 WHO = {"dag_id": "test", "run_id": "test", "task_id": "test"}
 
@@ -14,8 +15,8 @@ def _backlog(db: psycopg.Connection, n: int) -> list[int]:
     db.execute("insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)"
                " values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')")
     return [r[0] for r in db.execute(
-        "insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
-        " select g, 'backlog', 'scheduled', 'u' || g || '@example.com', 'pending',"
+        "insert into mail.send_log (user_id, campaign, kind, email, email_key, status, scheduled_at)"
+        " select g, 'backlog', 'scheduled', 'u' || g || '@example.com', 'u' || g || '@example.com', 'pending',"
         "        now() - interval '1 day' + g * interval '1 second'"
         " from generate_series(1, %s) g order by g returning id", (n,)).fetchall()]
 
@@ -23,7 +24,7 @@ def _backlog(db: psycopg.Connection, n: int) -> list[int]:
 def test_suppressed_rows_beyond_the_head_are_never_claimed_and_cancelled_when_they_reach_it(db) -> None:
     ids = _backlog(db, 1500)
     db.execute("insert into mail.suppression (user_id, scope, source) values (10, 'all', 'test'), (1200, 'all', 'test')")
-    db.execute("insert into mail.suppression (email, scope, source) values ('U1400@example.com', 'backlog', 'test')")
+    suppress_address(db, "U1400@example.com", scope="backlog", source="test")
     with db.transaction():
         cancelled = [r[0] for r in db.execute(query("scheduled", "cancel_suppressed_due"), WHO).fetchall()]
     assert cancelled == [ids[9]]  # only the head (the first 1,000 due rows) is checked per claim

@@ -32,6 +32,7 @@ from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled import CampaignStateError, DispatchSummary, claiming
 from mailflow.sources.scheduled.planning import PlanSpec, plan_send_times
+from mailflow.store.suppression import suppress_address
 
 BERLIN, NEW_YORK = ZoneInfo("Europe/Berlin"), ZoneInfo("America/New_York")
 
@@ -352,8 +353,7 @@ def test_rows_already_sent_or_cancelled_are_skipped_without_error(rig: Rig) -> N
 def test_suppressed_users_and_addresses_are_cancelled_at_dispatch(rig: Rig) -> None:
     provisioned(rig, 5)
     rig.db.execute("insert into mail.suppression (user_id, scope, source) values (2, 'all', 'unsubscribe')")
-    rig.db.execute("insert into mail.suppression (email, scope, source) values ('USER4@example.com', 'outreach_test',"
-                   " 'unsubscribe')")
+    suppress_address(rig.db, "USER4@example.com", scope="outreach_test", source="unsubscribe")
     rig.db.execute("insert into mail.suppression (user_id, scope, source) values (5, 'other_campaign', 'unsubscribe')")
 
     summary = rig.dispatch()
@@ -373,7 +373,9 @@ def test_scheduled_5xx_after_processing_keeps_key_and_bytes_and_never_returns_to
     # claim sent them again under a new key although the provider had processed them: mailed twice.
     provisioned(rig, 2)
     rig.emulator.configure(error_after_rate=1.0, error_after_status=502)
-    summary = rig.dispatch(client=rig.client(policy=RetryPolicy(max_attempts=1)))  # the sender's budget ends
+    with pytest.raises(SendError, match="provider down") as failed:  # the 502 opens the breaker: not green
+        rig.dispatch(client=rig.client(policy=RetryPolicy(max_attempts=1)))  # the sender's budget ends
+    summary = failed.value.summary
     assert (summary.claimed, summary.sent, summary.released, summary.unknown) == (2, 0, 0, 2)
     assert summary.stopped == "provider unavailable"
     rows = rig.rows()

@@ -127,6 +127,14 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "page: sends per minute, one": (progress.PER_MINUTE_SQL, {"since": "2 hours", "campaign": "practice_tips"}),
     "page: sends per day, all": (progress.PER_DAY_ALL_SQL, {"since": "30 days"}),
     "page: sends per day, one": (progress.PER_DAY_ONE_SQL, {"campaign": "practice_tips", "tz": "UTC"}),
+    # the contact guard's mailbox probes (0018) and "stop all"'s read of the user's mailboxes
+    "guard: mailbox contact times": (query("contact", "mailbox_contact_times"), {
+        "keys": [f"user{u}@example.com" for u in range(1, 101)], "ref": "2026-12-01T00:00:00+00:00",
+        "widest": "7 days", "include_planned": True}),
+    "guard: mailbox contacts": (query("contact", "mailbox_contacts"), {
+        "keys": [f"user{u}@example.com" for u in range(1, 101)], "except_ids": [], "since": "30 days",
+        "until": "2027-01-01T00:00:00+00:00", "include_planned": False}),
+    "stop all: mailboxes of user": (query("suppression", "mailboxes_of_user"), {"user_id": 42}),
     "deliverability poll": (query("feedback", "due_checks"), {
         "lookback_seconds": 48 * 3600, "min_age_seconds": 300, "max_checks": 4, "recheck_seconds": 7200,
         "limit": 500}),

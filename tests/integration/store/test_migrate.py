@@ -51,6 +51,12 @@ def test_files_parse_and_index_files_run_outside_a_transaction() -> None:
     assert len(statements) == 8
     assert all(s.lower().startswith(("create index concurrently if not exists", "drop index concurrently if exists"))
                for s in statements)
+    # a Python backfill step is a statement of its own, between the SQL around it
+    mailbox = by_name["0018_mailbox_key.sql"].statements()
+    step = mailbox.index("-- migrate: python backfill_mailbox_keys")
+    assert mailbox[step - 1].startswith("comment on column mail.mailbox.created_at")
+    assert mailbox[step + 1] == "-- migrate: python require_suppression_keys"
+    assert mailbox[step + 2].startswith("create unique index concurrently if not exists suppression_email_key_scope_uq")
     # after 0003 (tables that may be large by then), no transactional file builds an index on the
     # send log or its events: that holds a lock writers wait for during the whole build
     blocking = re.compile(r"create\s+(unique\s+)?index\s+(?!concurrently)[^;]*?\son\s+(only\s+)?mail\.send_(log|event)\b",
@@ -87,7 +93,8 @@ def test_migrate_twice_and_require_current(fresh: str) -> None:
 #: apply of a chunk, so a new one is a decision (docs/performance.md, "Write path"); 0011 dropped
 #: send_log_sent_idx (its readers use mail.sent_email and send_log_campaign_sent_idx); 0012 replaced
 #: 0001's live key (user_id, campaign) by the same key campaign first (the snapshot's dedupe reads one
-#: campaign's range).
+#: campaign's range); 0018 added the contact guard's mailbox probe (send_log_mailbox_idx: the
+#: contact policy counts every user's emails at a mailbox, as send_log_contact_idx does per user).
 SEND_LOG_INDEXES = {
     "send_log_pkey": "CREATE UNIQUE INDEX send_log_pkey ON mail.send_log USING btree (id)",
     "send_log_campaign_user_uq": "CREATE UNIQUE INDEX send_log_campaign_user_uq ON mail.send_log USING btree"
@@ -121,6 +128,9 @@ SEND_LOG_INDEXES = {
     "send_log_contact_idx": "CREATE INDEX send_log_contact_idx ON mail.send_log USING btree (user_id, sent_at)"
                             " INCLUDE (status, scheduled_at, minted_at)"
                             " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
+    "send_log_mailbox_idx": "CREATE INDEX send_log_mailbox_idx ON mail.send_log USING btree (email_key, sent_at)"
+                            " INCLUDE (status, scheduled_at, minted_at, user_id)"
+                            " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
 }
 
 
@@ -137,6 +147,62 @@ def test_the_send_log_has_exactly_its_indexes_after_migrate(fresh: str) -> None:
         assert migrate(conn) == ["0011_write_path_indexes.sql"]
         assert set(_indexes(conn)) == set(SEND_LOG_INDEXES)
         assert conn.execute("select count(*) from mail.sent_email").fetchone() == (0,)
+
+
+def test_0015_keeps_every_stored_batch_and_leaves_its_key_identity_unknown(fresh: str) -> None:
+    """A live send log: the batches stored before 0015 stay, byte for byte, with key_identity NULL
+    (unknown: the reconciler resends them under the current key, as before)."""
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=13)
+        conn.execute("insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation)"
+                     " values ('mf-x-c1-1-00', 'c1', 1, '[{}]'::bytea, 'permissive')")
+        assert "0015_batch_key_identity.sql" in migrate(conn)
+        assert conn.execute("select idempotency_key, body, validation, key_identity from mail.send_batch").fetchall() == [
+            ("mf-x-c1-1-00", b"[{}]", "permissive", None)]
+        assert conn.execute("select count(*) from mail.api_key_identity").fetchone() == (0,)
+
+
+def test_0018_backfills_mailbox_keys_on_a_live_send_log_and_runs_again_harmlessly(fresh: str) -> None:
+    """0018 on a send log written by earlier code: address suppressions get their mailbox key (the
+    earliest of two spellings of one mailbox and scope holds it; both rows are kept), send-log rows
+    get the folded key where they had none or a non-ASCII one (ASCII keys are left as they were),
+    mail.campaign_address's non-ASCII keys are folded; nothing is deleted from the send log or the
+    suppressions. A second run of the file changes nothing."""
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=13)
+        conn.execute("insert into mail.suppression (email, scope, source) values"
+                     " ('ΟΔΟΣ@example.gr', 'all', 'bounce'), ('Straße@example.de', 'all', 'bounce'),"
+                     " ('STRASSE@example.de', 'all', 'complaint'), ('  Anna@Example.COM', 'all', 'bounce'),"
+                     " ('not an address', 'all', 'manual')")
+        conn.execute("insert into mail.suppression (user_id, scope, source) values (7, 'all', 'one_click')")
+        conn.execute("insert into mail.send_log (user_id, campaign, email, email_key, status) values"
+                     " (1, 'a', 'ΟΔΟΣ@example.gr', 'οδος@example.gr', 'pending'),"  # 0007's lower(): final sigma
+                     " (2, 'a', 'Bob@example.com', 'bob@example.com', 'pending'),"
+                     " (3, 'a', 'Old@Example.com', null, 'pending'),"                 # before 0007: no key
+                     " (4, 'a', 'anna@@example.com', null, 'failed')")                # invalid: stays null
+        conn.execute("insert into mail.campaign_address (campaign, email_key, user_id) values"
+                     " ('a', 'οδος@example.gr', 1), ('a', 'bob@example.com', 2)")
+        assert migrate(conn) == [m.name for m in migration_files() if m.version > 13]
+        assert conn.execute("select email, email_key from mail.suppression order by id").fetchall() == [
+            ("ΟΔΟΣ@example.gr", "οδοσ@example.gr"), ("Straße@example.de", "strasse@example.de"),
+            ("STRASSE@example.de", None), ("  Anna@Example.COM", "anna@example.com"), ("not an address", None),
+            (None, None)]
+        assert conn.execute("select user_id, email_key from mail.send_log order by id").fetchall() == [
+            (1, "οδοσ@example.gr"), (2, "bob@example.com"), (3, "old@example.com"), (4, None)]
+        assert conn.execute("select email_key, user_id from mail.campaign_address order by user_id").fetchall() == [
+            ("οδοσ@example.gr", 1), ("bob@example.com", 2)]
+        unique = conn.execute("select pg_get_indexdef('mail.suppression_email_key_scope_uq'::regclass)").fetchone()
+        assert unique == ("CREATE UNIQUE INDEX suppression_email_key_scope_uq ON mail.suppression USING btree"
+                          " (email_key, scope) WHERE (email_key IS NOT NULL)",)
+        assert conn.execute("select to_regclass('mail.suppression_email_scope_uq')").fetchone() == (None,)
+        # resumable: the whole file again (as after an interruption) finds nothing to change
+        conn.execute("delete from mail.schema_migrations where version = 18")
+        assert migrate(conn) == ["0018_mailbox_key.sql"]
+        assert conn.execute("select count(*), count(email_key) from mail.suppression").fetchone() == (6, 3)
+        assert conn.execute("select count(*), count(email_key) from mail.send_log").fetchone() == (4, 3)
+        # from now on an address suppression without its key (which nothing would match) is refused
+        with pytest.raises(psycopg.errors.CheckViolation, match="suppression_email_has_key"):
+            conn.execute("insert into mail.suppression (email, source) values ('late@example.com', 'manual')")
 
 
 def test_0011_drops_concurrently_outside_a_transaction() -> None:
@@ -295,3 +361,31 @@ def test_upgrade_from_0003_at_1m_rows_keeps_reads_and_writes_under_1s(pg_admin_d
     assert result["reader_queries"] >= 50 and result["writer_statements"] >= 50  # the probes ran throughout
     assert result["reader_max_wait_seconds"] < 1.0, result
     assert result["writer_max_wait_seconds"] < 1.0, result
+
+
+def test_circuit_breaker_migration_keeps_a_live_send_log_and_its_dead_letters_decidable(fresh: str) -> None:
+    """0016 on a send log that already holds rows, dead letters among them: nothing is lost, the new
+    decision columns start undecided (null), and a lifecycle dead letter can then be re-opened (released
+    while its ambiguous_at stays as history, which the widened check admits only for that decision)."""
+    from mailflow.cli import dead_letters, decide_dead_letters
+
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=13)
+        conn.execute(
+            "insert into mail.send_log (user_id, campaign, email, status, idempotency_key, ambiguous_at,"
+            " dead_lettered_at, error, provider_message_id) values (1, 'a', 'u1@example.com', 'failed', 'k1', now(),"
+            " now(), 'unknown outcome', null), (2, 'a', 'u2@example.com', 'sent', 'k2', null, null, null, 'p2')")
+        before = conn.execute("select id, user_id, status, error from mail.send_log order by id").fetchall()
+        assert "0016_circuit_breaker.sql" in migrate(conn)
+        assert conn.execute("select id, user_id, status, error from mail.send_log order by id").fetchall() == before
+        assert conn.execute("select count(*) from mail.send_log where dead_letter_decision is not null"
+                            ).fetchone() == (0,)
+        [dead] = dead_letters(conn)
+        assert decide_dead_letters(conn, "resend", [dead[0]], "ops", "confirmed not delivered") == [dead[0]]
+        row = conn.execute("select released_at is not null, ambiguous_at is not null, dead_lettered_at"
+                           " from mail.send_log where id = %s", (dead[0],)).fetchone()
+        assert row == (True, True, None)
+        with pytest.raises(psycopg.errors.CheckViolation):  # any other ambiguous row is never released
+            conn.execute("update mail.send_log set status = 'failed', released_at = now(), ambiguous_at = now()"
+                         " where user_id = 2")
+        assert conn.execute("select count(*) from mail.circuit_breaker").fetchone() == (0,)

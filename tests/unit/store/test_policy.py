@@ -14,6 +14,7 @@ from mailflow.store.policy import (
     ContactPolicy,
     evaluate,
     load_policy,
+    mailbox_key,
     normalise_address,
     policy_from_mapping,
 )
@@ -107,8 +108,10 @@ def test_addresses_are_trimmed_normalised_and_idna_encoded(raw: str, send: str, 
     assert (a.valid, a.send, a.key) == (True, send, key)
 
 
-def test_the_unicode_domain_spelling_is_kept_for_suppression_matches() -> None:
-    assert normalise_address("Jörg@Bücher.example").keys == ("jörg@xn--bcher-kva.example", "jörg@bücher.example")
+def test_the_unicode_domain_and_the_punycode_spelling_have_one_mailbox_key() -> None:
+    # suppressions store this key too, so one typed with the Unicode domain matches the punycode one
+    assert normalise_address("Jörg@Bücher.example").keys == ("jörg@xn--bcher-kva.example",)
+    assert mailbox_key(" Jörg@Bücher.example") == mailbox_key("JÖRG@XN--BCHER-KVA.example") == "jörg@xn--bcher-kva.example"
 
 
 @pytest.mark.parametrize(("raw", "error"), [
@@ -121,3 +124,23 @@ def test_the_unicode_domain_spelling_is_kept_for_suppression_matches() -> None:
 def test_invalid_addresses_carry_the_validators_reason(raw: str | None, error: str) -> None:
     a = normalise_address(raw)
     assert (a.valid, a.error, a.send, a.key) == (False, error, "", "")
+
+
+@pytest.mark.parametrize(("spellings", "key"), [
+    (["ΟΔΟΣ@example.gr", "οδος@example.gr", "οδοσ@example.gr", "ΟΔΟΣ@EXAMPLE.GR"], "οδοσ@example.gr"),
+    (["İnci@example.com", "i\u0307nci@example.com", "İNCI@example.com"], "i\u0307nci@example.com"),
+    (["Äpfel@example.de", "äpfel@example.de", "A\u0308pfel@example.de", " äPFEL@Example.DE\t"], "äpfel@example.de"),
+    (["Straße@example.de", "STRASSE@example.de", "strasse@example.de", "STRA\u1e9eE@example.de"], "strasse@example.de"),
+    (["jörg@bücher.example", "JÖRG@XN--BCHER-KVA.example", " jo\u0308rg@Bücher.example "], "jörg@xn--bcher-kva.example"),
+])
+def test_one_mailbox_key_for_every_case_spelling_of_a_mailbox(spellings: list[str], key: str) -> None:
+    # one case-folding rule (Unicode full case folding, then NFC): the same key for capital, small
+    # and final sigma, for İ and i + combining dot, for Ä in any normal form, for ß, ẞ and SS
+    assert {mailbox_key(s) for s in spellings} == {key}
+    assert mailbox_key(key) == key  # idempotent: a stored key is its own key
+
+
+def test_an_invalid_address_has_no_mailbox_key() -> None:
+    assert mailbox_key("anna@@example.com") is None
+    assert mailbox_key("   ") is None
+    assert mailbox_key(None) is None

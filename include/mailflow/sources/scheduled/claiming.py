@@ -135,6 +135,7 @@ class _Dispatcher:
         self.campaigns: dict[str, Campaign] = {}
         self.campaign_rows: dict[str, dict[str, Any]] = {}
         self.policy: ContactPolicy = policy if policy is not None else load_policy()
+        self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -144,8 +145,9 @@ class _Dispatcher:
 
     def prepare(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
         """Render a claimed chunk; its key is assigned by the store when the batch is saved
-        (docs/model.md, "Idempotency keys": never the same key for two bodies)."""
-        return self.renderer.prepare_batch(campaign, rows)
+        (docs/model.md, "Idempotency keys": never the same key for two bodies). The batch carries the
+        sending key's identity, stored with its bytes (a resend must use the same API key)."""
+        return dataclasses.replace(self.renderer.prepare_batch(campaign, rows), key_identity=self.key_identity)
 
     def _campaign(self, name: str) -> Campaign:
         if name not in self.campaigns:
@@ -163,9 +165,11 @@ class _Dispatcher:
         The guard (docs/model.md, "The contact policy"): each address is normalised (invalid: the
         row fails with the validator's reason, no request; suppressed as normalised: cancelled; a
         second user at an address the campaign already mails: ``duplicate`` naming the first); the
-        users' ``mail.contact`` rows are locked in user_id order and the policy is re-evaluated on
-        what is committed now; a held row is deferred to the first planned slot after the window
-        (``on_policy = 'defer'``), or ``skipped`` with the reason, or sent anyway (``ignore``).
+        users' ``mail.contact`` rows are locked in user_id order, then their mailboxes'
+        ``mail.mailbox`` rows in key order, and the policy is re-evaluated on what is committed now
+        (the user's contacts and every other user's at the same mailbox); a held row is deferred to
+        the first planned slot after the window (``on_policy = 'defer'``), or ``skipped`` with the
+        reason, or sent anyway (``ignore``).
         Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``."""
         with self.conn.transaction():
             suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
@@ -251,8 +255,8 @@ class _Dispatcher:
         valid = [r for r in picked if int(r[0]) not in out]
         if not valid:
             return out
-        now = lock_contacts(self.conn, [int(r[1]) for r in valid])
-        out.update(self._hold(c, valid, picked, now))
+        now = lock_contacts(self.conn, [int(r[1]) for r in valid], [addrs[int(r[0])].key for r in valid])
+        out.update(self._hold(c, valid, picked, now, {int(r[1]): addrs[int(r[0])].key for r in valid}))
         valid = [r for r in valid if int(r[0]) not in out]
         holders = reserve_addresses(self.conn, c["name"], [(int(r[1]), addrs[int(r[0])].key) for r in valid])
         for r in valid:
@@ -262,14 +266,15 @@ class _Dispatcher:
         return out
 
     def _hold(self, c: Mapping[str, Any], valid: Sequence[Any], picked: Sequence[Any],
-              now: datetime) -> dict[int, tuple[str, str, datetime | None]]:
-        """The policy decision for rows ``valid`` under the contact guard: held rows deferred or
-        skipped (per ``c['on_policy']``); ``ignore`` holds nothing."""
+              now: datetime, mailboxes: Mapping[int, str]) -> dict[int, tuple[str, str, datetime | None]]:
+        """The policy decision for rows ``valid`` under the contact guard (``mailboxes``: user_id ->
+        mailbox key, whose other users' contacts count too): held rows deferred or skipped (per
+        ``c['on_policy']``); ``ignore`` holds nothing."""
         out: dict[int, tuple[str, str, datetime | None]] = {}
         if c["on_policy"] == "ignore" or not self.policy.rules:
             return out
         contacts = load_contacts(self.conn, [int(r[1]) for r in valid], self.policy, ref=now, now=now,
-                                 include_planned=False, except_ids=[int(r[0]) for r in picked])
+                                 include_planned=False, except_ids=[int(r[0]) for r in picked], mailboxes=mailboxes)
         held: list[tuple[int, Hold]] = []
         for r in valid:
             hold = evaluate(self.policy, contacts.get(int(r[1]), ()), ref=now, now=now)

@@ -10,8 +10,16 @@ from typing import Any
 
 import psycopg
 
+from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
 from mailflow.sendloop.clock import Clock, SystemClock
-from mailflow.sendloop.engine import MAX_BATCH, ChunkPipeline, InFlight, release_unsent, reserve_slot
+from mailflow.sendloop.engine import (
+    MAX_BATCH,
+    ChunkPipeline,
+    InFlight,
+    key_identity_of,
+    release_unsent,
+    reserve_slot,
+)
 from mailflow.sendloop.outcome import NotSent, Refused, RunContext, SendError, Unknown
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _actor
@@ -34,7 +42,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
              poll_seconds: float = POLL_SECONDS, batch_size: int = BATCH_SIZE,
              send_grace_seconds: float = SEND_GRACE_SECONDS, clock: Clock | None = None,
              run: RunContext | None = None, policy: ContactPolicy | None = None,
-             pipelined: bool = False) -> DispatchSummary:
+             pipelined: bool = False, breaker: CircuitBreaker | None = None) -> DispatchSummary:
     """Send due scheduled rows until nothing is due within the budget, or the budget is spent.
 
     Loop: ask the database how long until a claim is worth it (the earliest due row has waited
@@ -57,9 +65,13 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     :param pipelined: claim, render and store batch N+1 while batch N is in flight
         (:class:`mailflow.sendloop.engine.ChunkPipeline`: one batch in flight, its answer applied on ``conn``;
         a crash leaves at most two claimed batches, both with their bytes, for the reconciler).
+    :param breaker: the shared circuit breaker (default: the provider account's, in ``conn``'s
+        database): asked before each claim; while it is open nothing is claimed and the run stops
+        with ``circuit open``; a batch whose whole request failed opens it.
     :raises SendError: after recording everything, if the provider refused the key, an
         idempotency conflict needs a person, or an email could not be rendered (a recipient's
-        snapshot lacks a template variable: that row is marked ``failed``, the others are sent).
+        snapshot lacks a template variable: that row is marked ``failed``, the others are sent),
+        or the provider failed whole requests or the breaker was open (the run could not send).
     :raises ValueError: for a batch size outside 1-100.
     """
     if not 1 <= batch_size <= MAX_BATCH:
@@ -67,12 +79,14 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     clock = clock or SystemClock()
     run = run or RunContext()
     d = _Dispatcher(conn, renderer, run, batch_size, policy)
+    d.key_identity = key_identity_of(provider)
     summary = DispatchSummary()
     t0 = clock.monotonic()
     deadline = t0 + budget_seconds
     fatal: list[str] = []
     slot: float | None = None
     pipe = ChunkPipeline(d.store, provider, run, enabled=pipelined)
+    breaker = breaker or CircuitBreaker.for_run(conn, provider, run)
 
     def drain() -> str | None:
         """Collect the batch in flight (if any); the reason the run stops, if its answer says so."""
@@ -83,6 +97,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         claim = chunk.tag
         assert isinstance(claim, _Claim)
         d.count(claim, outcome, applied, batch, summary)
+        breaker.record(outcome)  # a whole-request failure opens it for every sender
         if isinstance(outcome, NotSent | Unknown | Refused):
             if outcome.fatal:
                 fatal.append(f"{claim.campaign.name}: {outcome.reason}")
@@ -119,6 +134,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                 slot = reserve_slot(provider, deadline + send_grace_seconds, clock)
             if slot is None:
                 summary.stopped = "time budget"
+                break
+            if breaker.admit(provider, deadline, clock) is not None:
+                summary.stopped = CIRCUIT_OPEN  # nothing claimed: nobody is charged
                 break
             suppressed, claim = d.claim()
             summary.suppressed += suppressed
@@ -172,6 +190,12 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     summary.completed = complete(conn, actor=_actor(run, "dispatcher"))
     summary.seconds = clock.monotonic() - t0
     log.info("dispatch: %s", summary.as_dict())
+    if breaker.opened_by_run is not None:
+        # the provider failed whole requests or the breaker was open: a run that could not send
+        # must not look green (the breaker keeps a retry from claiming anything new)
+        fatal.append(f"provider down ({summary.stopped or CIRCUIT_OPEN}): {breaker.opened_by_run}; nothing new is "
+                     f"claimed until a probe is answered (docs/operations.md, 'Circuit breaker')")
+        log.error("dispatch could not send: %s", fatal[-1])
     if fatal:
-        raise SendError("; ".join(fatal))
+        raise SendError("; ".join(fatal), summary=summary)
     return summary

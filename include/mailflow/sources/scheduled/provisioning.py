@@ -16,11 +16,13 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow import settings
+from mailflow.campaigns import CAMPAIGNS_DIR
+from mailflow.campaigns.templating import check_campaign_templates, subject_template
 from mailflow.sendloop.outcome import RunContext
-from mailflow.sendloop.render import subject_template
 from mailflow.sources.scheduled.campaign_db import _actor, _event, _lock, _one, _used_on_day
 from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
 from mailflow.sources.scheduled.spec import _TABLE, _check_templates, _recipients_file
+from mailflow.store.policy import mailbox_key
 from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     :param dry_run: plan the recipients still to provision and summarise; write nothing.
     :param after_chunk: called after each chunk commits (tests inject a crash here).
     :raises ValueError: for a naive ``now``, a bad chunk size, a missing template or recipients
-        file, or a subject that needs a column the recipients lack (naming campaign and user).
+        file, a subject that needs a column the recipients lack (naming campaign and user), or a
+        subject or template that tries to leave the sandbox (refused before anything renders).
     :raises LookupError: if the campaign does not exist.
     """
     if now.tzinfo is None:
@@ -145,6 +148,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 break
             if subject_t is None:
                 _check_templates(c["template"], c["name"])
+                # a campaign created before subjects were checked: refused here, never run
+                check_campaign_templates(c["name"], c["subject"], c["template"], CAMPAIGNS_DIR / "templates")
                 subject_t = subject_template(c["subject"])
             plan_start = c["plan_start"] or max(c["start_at"], now)
             source = _recipient_source(conn, c)
@@ -189,8 +194,10 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                     subject = " ".join(subject_t.render(user=user, campaign=c["name"], app_url=settings.app_url()).split())
                 except jinja2.UndefinedError as exc:
                     raise ValueError(f"campaign {c['name']!r}: the subject needs {exc} (user {uid})") from None
-                rows.append({"user_id": uid, "email": email, "context": {**ctx, "subject": subject},
-                             "scheduled_at": at.isoformat()})
+                except jinja2.exceptions.SecurityError as exc:
+                    raise ValueError(f"campaign {c['name']!r}: subject refused by the sandbox: {exc} (user {uid})") from None
+                rows.append({"user_id": uid, "email": email, "email_key": mailbox_key(email),
+                             "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
             created = 0
             if rows:
                 res = conn.execute(query("scheduled", "provision_rows"), {

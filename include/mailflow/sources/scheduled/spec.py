@@ -12,11 +12,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import psycopg
 
 from mailflow.campaigns import CAMPAIGNS_DIR
-from mailflow.sendloop.render import subject_template
+from mailflow.campaigns.templating import check_campaign_templates
 from mailflow.sources.scheduled.campaign_db import _event
 from mailflow.sources.scheduled.planning import PlanSpec
 from mailflow.store.policy import ON_POLICY
@@ -83,7 +82,8 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     first_name columns) or ``recipients_csv`` (a CSV file with user_id, email, first_name and any
     extra columns, uploaded into ``mail.campaign_recipient``; relative to ``base_dir``).
 
-    :raises ValueError: naming the campaign and the field for anything invalid.
+    :raises ValueError: naming the campaign and the field for anything invalid, including a subject
+        or template that is not valid Jinja or tries to leave the sandbox (it is refused, never run).
     """
     label = str(spec.get("name", "?"))
     if not _NAME.match(label):
@@ -100,10 +100,8 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
                     weekdays=frozenset(int(d) for d in spec.get("weekdays", (1, 2, 3, 4, 5))),
                     windows=tuple(spec.get("windows", ("09:00-12:00", "14:00-17:00"))))
     _check_templates(str(spec["template"]), label)
-    try:
-        subject_template(str(spec["subject"]))
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"campaign {label!r}: subject is not a valid Jinja template: {exc}") from None
+    # subject and templates render in the sandbox: refuse one that tries to leave it here, not at send
+    check_campaign_templates(label, str(spec["subject"]), str(spec["template"]), CAMPAIGNS_DIR / "templates")
     start_at = spec.get("start_at")
     if isinstance(start_at, str):
         start_at = datetime.fromisoformat(start_at)

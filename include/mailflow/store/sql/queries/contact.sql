@@ -30,19 +30,66 @@ where c.user_id = any(%(ids)s::bigint[])
 order by c.user_id, c.id
 
 -- name: suppressed_addresses
--- Which of these normalised addresses are suppressed for all mail or for this campaign.
--- One probe of suppression_email_scope_uq (lower(email), scope) WHERE email IS NOT NULL per key (a
--- nested-loop semi-join over the keys): the planner costs `lower(email) = any(keys)` at ~2,000 rows
--- and reads the whole table instead (20k rows at 1M users: 2.4-3.8 ms a chunk, against 0.2-0.8 ms).
+-- Which of these mailbox keys are suppressed for all mail or for this campaign: stored keys compared
+-- as stored (mailflow.store.policy.mailbox_key; never lower(), which depends on the locale).
+-- One probe of suppression_email_key_scope_uq (email_key, scope) per key (a nested-loop semi-join
+-- over the keys): the planner costs `email_key = any(keys)` at ~2,000 rows and reads the whole
+-- table instead (20k rows at 1M users: 2.4-3.8 ms a chunk, against 0.2-0.8 ms).
 select k.key from unnest(%(keys)s::text[]) as k(key)
 where exists (select 1 from mail.suppression s
-              where s.email is not null and lower(s.email) = k.key and s.scope in ('all', %(campaign)s))
+              where s.email_key = k.key and s.scope in ('all', %(campaign)s))
 
 -- name: suppressed_users
 -- Which of these users are suppressed (by user: an unsubscribe) for all mail or for this campaign:
 -- the mint's re-check of a page read from the run's audience snapshot, which may have aged.
 select s.user_id from mail.suppression s
 where s.user_id = any(%(ids)s::bigint[]) and s.scope in ('all', %(campaign)s)
+
+-- name: ensure_mailboxes
+-- The contact guard for mailboxes, run after lock_contact_rows (users first, then mailboxes, each
+-- set in key order: every claimer takes its locks in this one global order, so claimers of
+-- overlapping users or mailboxes wait for each other and never deadlock). Two user ids at one
+-- mailbox then serialise like two claims of one user.
+insert into mail.mailbox (email_key)
+select k from unnest(%(keys)s::text[]) as k order by k collate "C"
+on conflict (email_key) do nothing
+
+-- name: lock_mailbox_rows
+-- Second half of ensure_mailboxes (a separate statement, so the rows it inserted are lockable):
+-- lock the mailboxes' rows in key order (byte order, whatever the database's collation).
+select email_key from mail.mailbox where email_key = any(%(keys)s::text[])
+order by email_key collate "C" for update
+
+-- name: mailbox_contacts
+-- contacts_of for mailboxes: every contact that can matter at these mailbox keys, whoever the user
+-- (the same bounds and states as contacts_of), with the row's user: the guard adds a mailbox's
+-- contacts of OTHER users to each of its claimers' own (send_log_mailbox_idx, 0018).
+select c.email_key, c.user_id, c.id, c.campaign, c.status,
+       case when c.status = 'sent' then c.sent_at
+            when c.status = 'pending' then greatest(coalesce(c.scheduled_at, c.minted_at), now()) end as at
+from mail.send_log c
+where c.email_key = any(%(keys)s::text[])
+  and c.id <> all(%(except_ids)s::bigint[])
+  and ((c.status = 'sent' and c.sent_at >= %(since)s)
+       or c.status = 'sending'
+       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s))
+order by c.email_key, c.id
+
+-- name: mailbox_contact_times
+-- contact_times for mailboxes (the lifecycle mint): (email_key, user_id, 0, '', status, at), an
+-- index-only scan of send_log_mailbox_idx (email_key, sent_at) INCLUDE (status, scheduled_at,
+-- minted_at, user_id); the same bounds as contact_times.
+select c.email_key, c.user_id, 0::bigint as id, ''::text as campaign, c.status,
+       case when c.status = 'sent' then c.sent_at
+            when c.status = 'pending' then greatest(coalesce(c.scheduled_at, c.minted_at), now()) end as at
+from mail.send_log c
+where c.email_key = any(%(keys)s::text[])
+  and c.status in ('pending', 'sending', 'sent')
+  and ((c.status = 'sent' and c.sent_at >= least(%(ref)s::timestamptz, now()) - %(widest)s::interval)
+       or c.status = 'sending'
+       or (%(include_planned)s and c.status = 'pending'
+           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval))
+order by c.email_key
 
 -- name: db_now
 -- The database clock (the claim's "now").

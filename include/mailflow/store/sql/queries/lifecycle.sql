@@ -12,8 +12,12 @@
 --                lifecycle.eligible_cap per frequency cap the cooldown does not imply; for the run's
 --                snapshot the same rules as one probe per candidate, lifecycle.snapshot_policy);
 --                empty for an exempt campaign (transactional mail, `policy = "exempt"`);
---   suppression: the user or the (trimmed, case-folded) address is suppressed for all mail or for
---                this campaign.
+--   suppression: the user or the address is suppressed for all mail or for this campaign. The
+--                address part is a pre-filter on the stored mailbox key (suppression.email_key):
+--                the audience's address trimmed and its ASCII letters lower-cased by translate()
+--                (locale-independent; exact for an ASCII address, whose mailbox key is just that).
+--                A non-ASCII spelling is not matched here but at mint, on the key computed in
+--                Python (mailflow.store.policy.mailbox_key): held there, never sent.
 -- Composed by store.eligible_sql: the select list is user_id, email and the context (every other
 -- column of the audience, as JSON) for counts, dry runs and live pages, or the audience's own
 -- columns for the snapshot (which builds the context per page, lifecycle.snapshot_page); the join
@@ -31,7 +35,9 @@ where not exists (select 1 from mail.send_log d
   and not exists (select 1 from mail.suppression s
                   where s.user_id = a.user_id and s.scope in ('all', %(campaign)s))
   and not exists (select 1 from mail.suppression s
-                  where s.email is not null and lower(s.email) = lower(btrim(a.email, E' \t\r\n'))
+                  where s.email_key is not null
+                    and s.email_key = translate(btrim(a.email, E' \t\r\n'), 'ABCDEFGHIJKLMNOPQRSTUVWXYZ',
+                                                'abcdefghijklmnopqrstuvwxyz')
                     and s.scope in ('all', %(campaign)s))
 
 -- name: eligible_policy
@@ -195,11 +201,12 @@ select id, user_id, email, context from minted order by id
 -- keep the live (user, campaign) key, so the user is not selected again for this campaign. The
 -- event carries the reason.
 with made as (
-    insert into mail.send_log (user_id, campaign, kind, email, context, status, error, attempts,
+    insert into mail.send_log (user_id, campaign, kind, email, email_key, context, status, error, attempts,
                                dag_id, run_id, task_id, data_interval_start, data_interval_end)
-    select p.user_id, %(campaign)s, 'lifecycle', p.email, p.context, p.status, p.error, 0,
+    select p.user_id, %(campaign)s, 'lifecycle', p.email, p.email_key, p.context, p.status, p.error, 0,
            %(dag_id)s, %(run_id)s, %(task_id)s, %(interval_start)s, %(interval_end)s
-    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, context jsonb, status text, error text)
+    from jsonb_to_recordset(%(page)s::jsonb)
+         as p(user_id bigint, email text, email_key text, context jsonb, status text, error text)
     order by p.user_id
     on conflict (user_id, campaign) where released_at is null do nothing
     returning id, status, error

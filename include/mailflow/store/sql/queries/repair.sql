@@ -45,10 +45,14 @@ with changed as (
 select id, user_id, campaign, email, error from changed
 
 -- name: stale_batches
--- Batches with stale 'sending' rows still inside the idempotency window, oldest first.
-select b.idempotency_key, b.campaign, b.body, b.email_count, b.validation
+-- Batches with stale 'sending' rows still inside the idempotency window, oldest first, that can be
+-- resent under their own API key: its identity is one of %(identities)s (the current key and the
+-- previous keys), or unknown (null: stored before 0015, resent under the current key), or any
+-- identity when %(identities)s is null (a sender without identities, e.g. a test double).
+select b.idempotency_key, b.campaign, b.body, b.email_count, b.validation, b.key_identity
 from mail.send_batch b
 where b.created_at >= %(window_start)s
+  and (%(identities)s::text[] is null or b.key_identity is null or b.key_identity = any(%(identities)s::text[]))
   and exists (select 1 from mail.send_log l
               where l.idempotency_key = b.idempotency_key and l.status = 'sending'
                 and l.claimed_at < %(stale_before)s)
@@ -76,3 +80,29 @@ select l.id, l.batch_index, l.status, (l.id in (select id from claimed)) as clai
 from mail.send_log l
 where l.idempotency_key = %(key)s
 order by l.batch_index
+
+-- name: held_batches
+-- Stale batches inside the idempotency window whose API key identity is configured neither as the
+-- current key nor as a previous one: never resent under another key (the provider scopes
+-- idempotency keys per key, so that could deliver twice); held for a person (docs/operations.md,
+-- "Rotating the API key"), and dead-lettered past the window like any stale batch.
+select b.idempotency_key, b.campaign, b.key_identity, b.created_at,
+       (select count(*) from mail.send_log l where l.idempotency_key = b.idempotency_key and l.status = 'sending')
+from mail.send_batch b
+where b.created_at >= %(window_start)s
+  and b.key_identity is not null and not (b.key_identity = any(%(identities)s::text[]))
+  and exists (select 1 from mail.send_log l
+              where l.idempotency_key = b.idempotency_key and l.status = 'sending'
+                and l.claimed_at < %(stale_before)s)
+order by b.created_at
+
+-- name: forget_key_identities
+-- What this reconcile run found configured (read by `mailflow keys`), step 1: forget the rest.
+delete from mail.api_key_identity where not (identity = any(%(identities)s::text[]))
+
+-- name: record_key_identities
+-- Step 2: the current key first in %(identities)s (distinct), then the previous keys.
+insert into mail.api_key_identity (identity, role)
+select i, case when n = 1 then 'current' else 'previous' end
+from unnest(%(identities)s::text[]) with ordinality as t(i, n)
+on conflict (identity) do update set role = excluded.role, seen_at = now()

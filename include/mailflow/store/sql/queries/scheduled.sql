@@ -60,11 +60,12 @@ where r.user_id > %(after)s
 -- ON CONFLICT DO NOTHING on the live unique key (user_id, campaign): a row that exists is kept as
 -- it is. The creation event (null -> pending) is appended in the same statement.
 with created as (
-    insert into mail.send_log (user_id, campaign, kind, email, context, status, scheduled_at,
+    insert into mail.send_log (user_id, campaign, kind, email, email_key, context, status, scheduled_at,
                                dag_id, run_id, task_id)
-    select p.user_id, %(campaign)s, 'scheduled', p.email, p.context, 'pending', p.scheduled_at,
+    select p.user_id, %(campaign)s, 'scheduled', p.email, p.email_key, p.context, 'pending', p.scheduled_at,
            %(dag_id)s, %(run_id)s, %(task_id)s
-    from jsonb_to_recordset(%(page)s::jsonb) as p(user_id bigint, email text, context jsonb, scheduled_at timestamptz)
+    from jsonb_to_recordset(%(page)s::jsonb)
+         as p(user_id bigint, email text, email_key text, context jsonb, scheduled_at timestamptz)
     order by p.user_id
     on conflict (user_id, campaign) where released_at is null do nothing
     returning id
@@ -103,7 +104,7 @@ where id = %(id)s
 -- The locked id list is a MATERIALIZED CTE: evaluated once (an IN-subquery with FOR UPDATE can be
 -- rescanned per outer row, and a rescan skips the rows this statement already changed).
 with head as materialized (
-    select d.id, d.user_id, d.email, d.campaign
+    select d.id, d.user_id, d.email_key, d.campaign
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
@@ -116,7 +117,7 @@ with head as materialized (
                    where exists (select 1 from mail.suppression s
                                  where s.user_id = h.user_id and s.scope in ('all', h.campaign))
                       or exists (select 1 from mail.suppression s
-                                 where lower(s.email) = lower(h.email) and s.scope in ('all', h.campaign)))
+                                 where s.email_key = h.email_key and s.scope in ('all', h.campaign)))
       and d.status = 'pending'
     for update of d skip locked
 ), gone as (
@@ -161,7 +162,7 @@ with pick as materialized (
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
       and not exists (select 1 from mail.suppression s
-                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign))
+                      where s.email_key = d.email_key and s.scope in ('all', d.campaign))
     order by d.scheduled_at, d.id
     limit 1
     for update of d skip locked
@@ -173,7 +174,7 @@ with pick as materialized (
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
       and not exists (select 1 from mail.suppression s
-                      where lower(s.email) = lower(d.email) and s.scope in ('all', d.campaign))
+                      where s.email_key = d.email_key and s.scope in ('all', d.campaign))
     order by d.scheduled_at, d.id
     limit %(limit)s
     for update skip locked

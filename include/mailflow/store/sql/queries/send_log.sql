@@ -4,10 +4,11 @@
 --   mf-<installation id>-<campaign tag>-<batch serial>-<16 hex of sha256(body)>
 -- The installation id is unique per database (0006), the serial per batch in it, and the body
 -- digest makes a key restored from a backup name the same bytes or a different key.
-insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation)
+-- key_identity: the sending API key's identity (a resend must use the same key).
+insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation, key_identity)
 select 'mf-' || i.id || '-' || %(tag)s || '-' || nextval('mail.send_batch_serial')::text
            || '-' || left(encode(sha256(%(body)s::bytea), 'hex'), 16),
-       %(campaign)s, %(count)s, %(body)s, %(validation)s
+       %(campaign)s, %(count)s, %(body)s, %(validation)s, %(key_identity)s
 from mail.installation i
 returning idempotency_key
 

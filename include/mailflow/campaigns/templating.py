@@ -1,0 +1,163 @@
+"""The one way campaign templates are compiled: Jinja2's sandbox, everywhere.
+
+A subject line comes from a campaign spec that an operator (or anyone who can write a spec) hands
+to the worker, and the worker holds the API key, the send-log DSN and the signing secret. So every
+template, the subject lines included, compiles in :class:`jinja2.sandbox.ImmutableSandboxedEnvironment`:
+no attribute that starts with ``_`` (``__class__``, ``__globals__``, ``__subclasses__``), no
+function or frame internals, no mutation of the objects a template is given (source of the rule:
+Jinja2's sandbox documentation, https://jinja.palletsprojects.com/en/stable/sandbox/).
+
+The sandbox is the guard at render time. Loading a campaign also checks each template up front
+(:func:`check_template`), so a template that tries to leave the sandbox is refused when the
+campaign is loaded or created, with the campaign and the field named, rather than on the first
+email of a run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.meta
+from jinja2 import nodes
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import missing
+
+
+class UnsafeTemplateError(SecurityError):
+    """A template reaches for something the sandbox forbids (an attribute that starts with ``_``,
+    a function's or a frame's internals). A :class:`jinja2.TemplateError`; the message names the
+    template and the attribute."""
+
+
+def sandboxed_env(loader: jinja2.BaseLoader | None = None, *,
+                  autoescape: bool | Callable[[str | None], bool] = False,
+                  undefined: type[jinja2.Undefined] = jinja2.StrictUndefined) -> jinja2.Environment:
+    """A sandboxed (immutable) Jinja2 environment with the project's settings: strict undefined
+    (a missing variable is an error naming it), trailing newline kept, no ``stat()`` per render.
+
+    :param loader: where named templates come from (``None``: only :meth:`from_string`).
+    :param autoescape: ``True`` / ``False`` or a function of the template name (HTML on, text off).
+    :param undefined: the Undefined class (tests and :func:`check_template` use a lenient one).
+    """
+    return ImmutableSandboxedEnvironment(loader=loader, autoescape=autoescape, undefined=undefined,
+                                         keep_trailing_newline=True, auto_reload=False)
+
+
+def _unsafe(name: object) -> bool:
+    # the names every escape starts from (__class__, __globals__, __init__, __subclasses__); the
+    # sandbox also refuses function and frame internals at render time, judged on the real object
+    return isinstance(name, str) and name.startswith("_")
+
+
+def _reaches(tree: nodes.Node) -> Iterator[str]:
+    """Attribute names starting with ``_`` that a template asks for by a literal name."""
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter, nodes.Test)):
+        if isinstance(node, nodes.Getattr) and _unsafe(node.attr):
+            yield node.attr
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and _unsafe(node.arg.value):
+            yield str(node.arg.value)
+        elif isinstance(node, nodes.Filter | nodes.Test) and node.name == "attr":
+            for arg in node.args:
+                if isinstance(arg, nodes.Const) and _unsafe(arg.value):
+                    yield str(arg.value)
+
+
+class _Probe(jinja2.ChainableUndefined):
+    """Lenient about missing variables (a probe does not know a campaign's columns) but raises the
+    moment the sandbox refuses an attribute, however its name was computed."""
+
+    def __init__(self, hint: str | None = None, obj: Any = missing, name: str | None = None,
+                 exc: type[jinja2.TemplateRuntimeError] = jinja2.UndefinedError) -> None:
+        if issubclass(exc, SecurityError):
+            raise UnsafeTemplateError(hint or f"access to {name!r} is unsafe")
+        super().__init__(hint, obj, name, exc)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:  # a missing function: not a security question
+        raise jinja2.UndefinedError(f"{self._undefined_name!r} is undefined")
+
+
+def check_template(source: str, name: str, loader: jinja2.BaseLoader | None = None) -> None:
+    """Refuse a template that tries to leave the sandbox; return ``None`` if it stays inside.
+
+    Two checks: the parsed template (and every template it extends or includes by a literal name,
+    through ``loader``) asks for no forbidden attribute by a literal name, and a trial render in
+    the sandbox with a sample context (``user`` with ``user_id`` and ``email``; anything else is
+    undefined and renders empty) meets no attribute the sandbox refuses. Errors of the trial that
+    are about missing data (undefined calls, type errors) are not this function's concern: they
+    are reported when real rows are rendered.
+
+    :param source: the template text.
+    :param name: how the error names it (e.g. ``"subject"`` or ``"outreach.html.j2"``).
+    :raises UnsafeTemplateError: naming ``name`` and the attribute.
+    :raises jinja2.TemplateSyntaxError: if the text is not a valid template.
+    """
+    env = sandboxed_env(loader, undefined=_Probe)
+    seen: set[str] = set()
+
+    def walk(text: str, label: str) -> None:
+        tree = env.parse(text, name=label)
+        for attr in _reaches(tree):
+            raise UnsafeTemplateError(f"template {label!r} uses {attr!r}, which the sandbox forbids "
+                                      f"(no attribute starting with '_')")
+        if loader is None:
+            return
+        for ref in jinja2.meta.find_referenced_templates(tree):
+            if ref is not None and ref not in seen:
+                seen.add(ref)
+                walk(loader.get_source(env, ref)[0], ref)
+
+    walk(source, name)
+    ctx = {"user": {"user_id": 1, "email": "probe@example.invalid"}, "campaign": "probe",
+           "unsubscribe_url": "https://example.invalid/u/probe", "app_url": "https://example.invalid"}
+    try:
+        env.from_string(source).render(ctx)
+    except UnsafeTemplateError as exc:
+        raise UnsafeTemplateError(f"template {name!r}: {exc}") from None
+    except SecurityError as exc:  # e.g. a range() too large, str.format on a forbidden field
+        raise UnsafeTemplateError(f"template {name!r}: {exc}") from None
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError):
+        pass  # about data, not about the sandbox
+
+
+def subject_template(text: str) -> jinja2.Template:
+    """A campaign's subject line as a sandboxed Jinja2 template (plain text: no autoescape, strict
+    undefined), after :func:`check_template`.
+
+    :raises UnsafeTemplateError: if the subject tries to leave the sandbox.
+    :raises jinja2.TemplateSyntaxError: if ``text`` is not a valid template.
+    """
+    _check_cached(text, "subject", None, 0)
+    return sandboxed_env().from_string(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_cached(source: str, name: str, directory: str | None, stamp: int) -> None:
+    """:func:`check_template` once per (text, directory state): loading campaigns compiles nothing twice."""
+    check_template(source, name, jinja2.FileSystemLoader(directory) if directory else None)
+
+
+def check_campaign_templates(label: str, subject: str, template: str, templates_dir: Path) -> None:
+    """Check a campaign's subject and its ``<template>.html.j2`` / ``<template>.txt.j2`` files (and
+    the layouts they extend) with :func:`check_template`; return ``None`` if all stay in the sandbox.
+
+    :param label: the campaign's name, for the message.
+    :raises ValueError: ``campaign '<label>': <field> ...`` naming the field (``subject`` or the
+        template file) and what it reached for, or the syntax error.
+    """
+    # a template's layouts can change only with a file of the directory: their newest mtime is part of the key
+    stamp = max((f.stat().st_mtime_ns for f in templates_dir.iterdir() if f.is_file()), default=0)
+    fields: list[tuple[str, str, str | None]] = [("subject", subject, None)]
+    fields += [(f"template {template}{suffix}", (templates_dir / f"{template}{suffix}").read_text(encoding="utf-8"),
+                str(templates_dir)) for suffix in (".html.j2", ".txt.j2")]
+    for field, source, directory in fields:
+        try:
+            _check_cached(source, field.removeprefix("template "), directory, stamp if directory else 0)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"campaign {label!r}: {field} is not a valid Jinja template: {exc}") from None
+        except UnsafeTemplateError as exc:
+            raise ValueError(f"campaign {label!r}: {field} refused: {exc}") from None

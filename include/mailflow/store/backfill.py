@@ -1,0 +1,142 @@
+"""Backfill steps of migrations that PostgreSQL cannot compute itself, run by the migrator
+(``mailflow.store.migrate``) where a no-transaction migration names them with a line
+``-- migrate: python <name>`` (docs/operations.md, "Upgrading").
+
+Each step works on a live send log: small transactions (no long lock, nothing blocks the tasks),
+idempotent and resumable (an interrupted run is simply run again from its start), and it never
+deletes a recorded row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from mailflow.store.policy import mailbox_key
+
+log = logging.getLogger(__name__)
+
+BATCH = 5000
+"""Rows per update transaction."""
+
+
+def backfill_mailbox_keys(conn: psycopg.Connection) -> dict[str, int]:
+    """Migration 0018: store the mailbox key (:func:`mailflow.store.policy.mailbox_key`) wherever an
+    address is compared.
+
+    * ``mail.suppression.email_key`` for every address suppression without one. Two entries that
+      are one mailbox for one scope (``Straße@x`` and ``STRASSE@x``) keep both rows; the earliest
+      (lowest id) takes the key, which suppresses the mailbox, the other keeps its text only.
+    * ``mail.send_log.email_key`` where it is null (rows from before 0007) or the address is not
+      ASCII (0007's key lower-cased it; ASCII keys are unchanged by case folding, so only those
+      rows are read: ``octet_length <> char_length``).
+    * ``mail.campaign_address``: a non-ASCII key is replaced by the folded key (if the folded key
+      already has a holder, that holder stays and the old spelling's entry is dropped: the
+      campaign has mailed the mailbox once).
+
+    :param conn: a psycopg 3 connection in autocommit mode (each batch is its own transaction).
+    :returns: rows changed per table.
+    """
+    changed = {"suppression": 0, "send_log": 0, "campaign_address": 0}
+    with conn.transaction():
+        rows = conn.execute("select id, email, scope, email_key from mail.suppression"
+                            " where email is not null order by id").fetchall()
+    taken = {(str(r[3]), str(r[2])) for r in rows if r[3] is not None}
+    todo: list[tuple[int, str]] = []
+    for rid, email, scope, key in rows:
+        new = mailbox_key(email) if key is None else None
+        if new is not None and (new, scope) not in taken:
+            taken.add((new, scope))
+            todo.append((int(rid), new))
+    for i in range(0, len(todo), BATCH):
+        part = todo[i:i + BATCH]
+        with conn.transaction():
+            cur = conn.execute("update mail.suppression s set email_key = r.key"
+                               " from unnest(%(ids)s::bigint[], %(keys)s::text[]) as r(id, key)"
+                               " where s.id = r.id and s.email_key is null",
+                               {"ids": [p[0] for p in part], "keys": [p[1] for p in part]})
+            changed["suppression"] += max(cur.rowcount, 0)
+
+    # the send log in pages of the primary key (one pass over the table, a short transaction per
+    # page); each distinct address is validated once
+    cache: dict[str, str | None] = {}
+    after = 0
+    while True:
+        with conn.transaction():
+            rows = conn.execute("select id, email, email_key from mail.send_log where id > %(after)s"
+                                " and email is not null"
+                                " and (email_key is null or octet_length(email) <> char_length(email))"
+                                " order by id limit %(n)s", {"after": after, "n": BATCH}).fetchall()
+        if not rows:
+            break
+        after = int(rows[-1][0])
+        fixes = []
+        for rid, email, key in rows:
+            if email not in cache:
+                cache[email] = mailbox_key(email)
+            new = cache[email]
+            if new is not None and new != key:
+                fixes.append((int(rid), new))
+        if len(cache) > 100_000:
+            cache.clear()
+        if fixes:
+            with conn.transaction():
+                cur = conn.execute("update mail.send_log l set email_key = r.key"
+                                   " from unnest(%(ids)s::bigint[], %(keys)s::text[]) as r(id, key) where l.id = r.id",
+                                   {"ids": [f[0] for f in fixes], "keys": [f[1] for f in fixes]})
+                changed["send_log"] += max(cur.rowcount, 0)
+
+    with conn.transaction():
+        rows = conn.execute("select campaign, email_key, user_id, created_at from mail.campaign_address"
+                            " where octet_length(email_key) <> char_length(email_key)"
+                            " order by created_at").fetchall()
+    for campaign, key, uid, created in rows:
+        new = mailbox_key(key)
+        if new is None or new == key:
+            continue
+        with conn.transaction():
+            conn.execute("insert into mail.campaign_address (campaign, email_key, user_id, created_at)"
+                         " values (%s, %s, %s, %s) on conflict do nothing", (campaign, new, uid, created))
+            conn.execute("delete from mail.campaign_address where campaign = %s and email_key = %s", (campaign, key))
+            changed["campaign_address"] += 1
+    log.info("mailbox keys backfilled: %s", changed)
+    return changed
+
+
+def require_suppression_keys(conn: psycopg.Connection, *, lock_timeout_seconds: float = 1.0, retries: int = 10) -> bool:
+    """Migration 0018: from now on an address suppression must carry its mailbox key: the CHECK
+    ``suppression_email_has_key`` (``email is null or email_key is not null``), added ``NOT VALID``
+    (rows written before are not checked: an invalid address, or the second spelling of a mailbox
+    already suppressed, keeps a null key), so a bare ``INSERT`` of an address, which no lookup would
+    ever match, fails loudly instead. A brief lock with ``lock_timeout``, retried with a growing
+    pause, like the migrator's transactional files.
+
+    :returns: True if the constraint was added, False if it existed.
+    :raises psycopg.errors.LockNotAvailable: if the lock was not granted after the retries.
+    """
+    for attempt in range(retries + 1):
+        try:
+            with conn.transaction():
+                conn.execute("select set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_seconds * 1000)}ms",))
+                exists = conn.execute("select 1 from pg_constraint where conrelid = 'mail.suppression'::regclass"
+                                      " and conname = 'suppression_email_has_key'").fetchone()
+                if exists:
+                    return False
+                conn.execute("alter table mail.suppression add constraint suppression_email_has_key"
+                             " check (email is null or email_key is not null) not valid")
+            return True
+        except psycopg.errors.LockNotAvailable:
+            if attempt == retries:
+                raise
+            time.sleep(min(30.0, 0.5 * 2**attempt))
+    return False
+
+
+STEPS: dict[str, Callable[[psycopg.Connection], object]] = {
+    "backfill_mailbox_keys": backfill_mailbox_keys,
+    "require_suppression_keys": require_suppression_keys,
+}
+"""The named steps a migration may call (``-- migrate: python <name>``)."""
