@@ -245,6 +245,12 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
              summary.campaign, batch.idempotency_key, len(batch.row_ids), applied.sent,
              applied.failed, applied.released, applied.unknown,
              "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
+    if isinstance(outcome, Accepted) and outcome.stop_run:
+        # the provider refused a field of the campaign (its sender, headers, rendered subject):
+        # nobody was charged (those rows were released); it would repeat, so the run stops, alerted
+        if outcome.fatal:
+            state.fatal.append(f"{summary.campaign}: {outcome.stop_run}")
+        summary.stopped = state.stop = outcome.stop_run
     if isinstance(outcome, NotSent | Unknown | Refused):
         if outcome.fatal:
             state.fatal.append(f"{summary.campaign}: {outcome.reason}")

@@ -437,13 +437,25 @@ class PostgresStore:
                     idx = sorted(outcome.ids)
                     sent = len(self.conn.execute(query("send_log", "mark_sent"), who | {
                         "ids": [ids[i] for i in idx], "pids": [outcome.ids[i] for i in idx]}).fetchall())
-                if outcome.rejected:
-                    idx = sorted(outcome.rejected)
+                rejected = dict(outcome.rejected)
+                returned = 0
+                if outcome.withheld:
+                    # refused for a field of the campaign (its sender, headers, rendered subject):
+                    # not the recipient's fault, so released uncharged like a NotSent; a row that
+                    # was part of an ambiguous request cannot be released (it keeps the key's
+                    # answer) and fails with the message (re-opened with the documented command)
+                    reason = f"campaign refused by the provider: {outcome.stop_run or ''}"[:1000]
+                    done = {r[0] for r in self.conn.execute(query("send_log", "release"), who | {
+                        "ids": [ids[i] for i in sorted(outcome.withheld)], "reason": reason}).fetchall()}
+                    returned = len(done)
+                    rejected |= {i: m for i, m in outcome.withheld.items() if ids[i] not in done}
+                if rejected:
+                    idx = sorted(rejected)
                     failed = len(self.conn.execute(query("send_log", "mark_failed"), who | {
                         "ids": [ids[i] for i in idx],
-                        "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
+                        "msgs": [rejected[i][:1000] for i in idx]}).fetchall())
                 self._memory.applied(run.run_id, ids, [ids[i] for i in outcome.rejected])
-                return Applied(sent=sent, failed=failed)
+                return Applied(sent=sent, failed=failed, released=returned)
             if isinstance(outcome, Refused):
                 # Strict validation refused the whole request: nothing was processed and nothing
                 # changes here; the caller re-sends the chunk permissive under a new key.

@@ -54,6 +54,8 @@ class DispatchSummary:
     stopped: str | None = None
     completed: list[str] = field(default_factory=list)
     sent_by_campaign: dict[str, int] = field(default_factory=dict)
+    #: campaigns paused by this call because the campaign itself was at fault: name -> reason
+    paused: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -61,6 +63,11 @@ class DispatchSummary:
         out["idle_seconds"] = round(self.idle_seconds, 3)
         out["seconds"] = round(self.seconds, 3)
         return out
+
+
+#: How far ahead a deferral looks for a planned slot (days); the planner's own bound on days
+#: without window time.
+PLAN_HORIZON_DAYS = 800
 
 
 def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
@@ -71,6 +78,11 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     allowed weekday, inside the local windows, on a local day whose emails (planned, in flight or
     sent) are still fewer than ``emails_per_day``; within that day the planner's slots spread from
     ``free_at`` are used in order. Aware UTC datetimes, strictly after ``free_at``.
+
+    A row with no such instant within :data:`PLAN_HORIZON_DAYS` days (every day up to there is full
+    or has no window time) is left out of the result: the caller skips it with a reason. One row
+    that cannot be planned never fails the claim (it would stay at the head of the due queue and
+    fail every later dispatch).
     """
     spec = plan_spec(c)
     first = min(f for _, f in held)
@@ -83,7 +95,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     for rid, free_at in sorted(held, key=lambda h: (h[1], h[0])):
         start = free_at + timedelta(microseconds=1)
         day = plan_day(spec, start)
-        for _ in range(800):  # the planner's own bound on days without window time
+        for _ in range(PLAN_HORIZON_DAYS):  # the planner's own bound on days without window time
             if day.isoweekday() in spec.weekdays and counts.get(day, 0) < spec.emails_per_day:
                 if day not in days:
                     floor = max(start, _local_midnight(day, spec))
@@ -98,8 +110,19 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
             day += timedelta(days=1)
             start = max(start, _local_midnight(day, spec))
         else:
-            raise RuntimeError(f"campaign {c['name']!r}: no planned slot within 800 days after {free_at}")
+            log.warning("campaign %s: row %d has no planned slot within %d days after %s: skipped",
+                        c["name"], rid, PLAN_HORIZON_DAYS, free_at.isoformat())
     return out
+
+
+class CampaignDispatchError(Exception):
+    """Claiming the due rows of campaign ``campaign`` raised ``cause`` (e.g. its template is missing
+    or broken): the claim was rolled back (its rows stay ``pending``). The dispatcher pauses that
+    campaign with the reason, goes on with the others and fails the task at the end."""
+
+    def __init__(self, campaign: str, cause: BaseException):
+        super().__init__(f"{campaign}: {type(cause).__name__}: {cause}")
+        self.campaign, self.cause = campaign, cause
 
 
 def _render_campaign(c: Mapping[str, Any]) -> Campaign:
@@ -172,51 +195,61 @@ class _Dispatcher:
             picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
             if not picked:
                 return suppressed, None
-            crow = self._campaign_row(str(picked[0][4]))
-            decided = self._guard(crow, picked)
-            if decided:
-                self.conn.execute(query("scheduled", "decide_rows"), self.who | {
-                    "ids": list(decided), "statuses": [d[0] for d in decided.values()],
-                    "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
-            go = [r for r in picked if int(r[0]) not in decided]
-            found: list[Any] = []
-            if go:
-                addrs = [normalise_address(r[2]) for r in go]
-                found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
-                    "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
-                    "keys": [a.key for a in addrs]}).fetchall()
-            counts: dict[str, int] = {}
-            for st, _, _at in decided.values():
-                k = "deferred" if st == "pending" else st
-                counts[k] = counts.get(k, 0) + 1
-            if not found:
-                return suppressed + counts.pop("cancelled", 0), _Claim(
-                    self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
-            suppressed += counts.pop("cancelled", 0)
-            campaign = self._campaign(str(found[0][4]))
-            rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
-            attempts = {int(r[0]): int(r[5]) for r in found}
-            bad: dict[int, str] = {}
             try:
-                batch: PreparedBatch | None = self.prepare(campaign, rows)
-            except (jinja2.TemplateError, ValueError, TypeError):  # the renderer's RenderError is a ValueError
-                # Find the rows at fault: a recipient whose snapshot lacks a template variable fails
-                # (its snapshot will not change), the others go. Any other error (a missing or broken
-                # template) propagates: the claim rolls back and the rows stay pending.
-                good = []
-                for r in rows:
-                    try:
-                        self.renderer.render_email(campaign, r)
-                        good.append(r)
-                    except jinja2.UndefinedError as exc:
-                        bad[r.id] = f"render failed (template {campaign.template!r}): {exc}"
-                rows = tuple(good)
-                batch = self.prepare(campaign, rows) if rows else None
-            if bad:
-                self.conn.execute(query("send_log", "mark_failed"), self.who | {
-                    "ids": list(bad), "msgs": list(bad.values())})
-            if batch is not None:
-                batch = self.store.save_batch(batch)
+                return self._claim_picked(suppressed, picked)
+            except psycopg.OperationalError:
+                raise  # the database itself: not one campaign's fault
+            except Exception as exc:
+                raise CampaignDispatchError(str(picked[0][4]), exc) from exc
+
+    def _claim_picked(self, suppressed: int, picked: Sequence[Any]) -> tuple[int, _Claim | None]:
+        """The rest of :meth:`claim` for the rows ``pick_due`` locked (one campaign's), inside its
+        transaction."""
+        crow = self._campaign_row(str(picked[0][4]))
+        decided = self._guard(crow, picked)
+        if decided:
+            self.conn.execute(query("scheduled", "decide_rows"), self.who | {
+                "ids": list(decided), "statuses": [d[0] for d in decided.values()],
+                "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
+        go = [r for r in picked if int(r[0]) not in decided]
+        found: list[Any] = []
+        if go:
+            addrs = [normalise_address(r[2]) for r in go]
+            found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
+                "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
+                "keys": [a.key for a in addrs]}).fetchall()
+        counts: dict[str, int] = {}
+        for st, _, _at in decided.values():
+            k = "deferred" if st == "pending" else st
+            counts[k] = counts.get(k, 0) + 1
+        if not found:
+            return suppressed + counts.pop("cancelled", 0), _Claim(
+                self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
+        suppressed += counts.pop("cancelled", 0)
+        campaign = self._campaign(str(found[0][4]))
+        rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
+        attempts = {int(r[0]): int(r[5]) for r in found}
+        bad: dict[int, str] = {}
+        try:
+            batch: PreparedBatch | None = self.prepare(campaign, rows)
+        except (jinja2.TemplateError, ValueError, TypeError):  # the renderer's RenderError is a ValueError
+            # Find the rows at fault: a recipient whose snapshot lacks a template variable fails
+            # (its snapshot will not change), the others go. Any other error (a missing or broken
+            # template) propagates: the claim rolls back and the rows stay pending.
+            good = []
+            for r in rows:
+                try:
+                    self.renderer.render_email(campaign, r)
+                    good.append(r)
+                except jinja2.UndefinedError as exc:
+                    bad[r.id] = f"render failed (template {campaign.template!r}): {exc}"
+            rows = tuple(good)
+            batch = self.prepare(campaign, rows) if rows else None
+        if bad:
+            self.conn.execute(query("send_log", "mark_failed"), self.who | {
+                "ids": list(bad), "msgs": list(bad.values())})
+        if batch is not None:
+            batch = self.store.save_batch(batch)
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
@@ -282,7 +315,11 @@ class _Dispatcher:
         if held:
             times = _deferred_times(self.conn, c, [(rid, h.free_at) for rid, h in held])
             for rid, hold in held:
-                out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
+                if rid in times:
+                    out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
+                else:  # the plan has no slot for it: skipped with the reason, the queue goes on
+                    out[rid] = ("skipped", f"{hold.reason()}; no planned slot within {PLAN_HORIZON_DAYS} days "
+                                           "after that (every plan day full or without window time): skipped", None)
         return out
 
     def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary,

@@ -58,19 +58,36 @@ returning send_log_id
 -- and with the claim's attempt given back (no request of theirs was processed).
 -- A row that was ever part of an ambiguous request is never released (ambiguous_at guard): it
 -- keeps its key and bytes until a 2xx answers that key, or it becomes a dead letter.
-with changed as (
+-- A scheduled row of a campaign that is no longer active (cancelled or completed while the batch
+-- was in flight) becomes 'cancelled' with the reason instead: a pending row there would never be
+-- picked up and would count as a planned contact. The campaign rows are locked FOR SHARE, so a
+-- cancel in progress is waited for and seen (and a cancel that comes later finds the row pending).
+with gone as materialized (
+    select k.name
+    from mail.campaign k
+    where k.name in (select d.campaign from mail.send_log d
+                     where d.id = any(%(ids)s::bigint[]) and d.kind = 'scheduled')
+    for share of k
+), inactive as (
+    select g.name from gone g join mail.campaign k on k.name = g.name
+    where k.status in ('cancelled', 'completed')
+), changed as (
     update mail.send_log l
-    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
+    set status = case when l.kind = 'scheduled' and l.campaign in (select name from inactive) then 'cancelled'
+                      when l.kind = 'scheduled' then 'pending' else 'failed' end,
         released_at = case when l.kind = 'lifecycle' then now() end,
         attempts = case when l.kind = 'scheduled' then greatest(l.attempts - 1, 0) else l.attempts end,
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
         batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
-        error = %(reason)s
+        error = case when l.kind = 'scheduled' and l.campaign in (select name from inactive)
+                     then %(reason)s || ' (campaign ' || (select k.status from mail.campaign k where k.name = l.campaign)
+                          || ': not returned to pending)'
+                     else %(reason)s end
     where l.id = any(%(ids)s::bigint[]) and l.status = 'sending' and l.ambiguous_at is null
-    returning l.id, l.attempts, l.status
+    returning l.id, l.attempts, l.status, l.error
 )
 insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
-select id, 'sending', status, attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(task_id)s from changed
+select id, 'sending', status, attempts, error, %(dag_id)s, %(run_id)s, %(task_id)s from changed
 returning send_log_id
 
 -- name: note_unknown
