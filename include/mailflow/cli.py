@@ -6,11 +6,13 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow migrate --check --dsn ...         # exit 1 and name them if any are pending
     mailflow report  --dsn ...                 # per-campaign counts by state
     mailflow audit   --dsn ... --outbox PATH   # invariants: sent rows <-> delivered emails
+    mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -92,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
                        parents=[common])
     a.add_argument("--outbox", type=Path, required=True)
+    r = sub.add_parser("reopen-refused", parents=[common],
+                       help="re-open rows the provider rejected for a field of the campaign (e.g. `from`), "
+                            "not of the recipient (docs/operations.md); counts only without --apply")
+    r.add_argument("--campaign", required=True)
+    r.add_argument("--field", default=None, help="only rows whose error names this campaign field")
+    r.add_argument("--apply", action="store_true", help="change the rows (default: count only)")
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
@@ -125,6 +133,15 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         applied = migrate(conn, lock_timeout_seconds=args.lock_timeout)
         print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    elif args.cmd == "reopen-refused":
+        from mailflow.store.send_log import reopen_refused
+
+        try:
+            done = reopen_refused(conn, args.campaign, args.field, apply=args.apply)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(dataclasses.asdict(done) | {"applied": args.apply}, indent=2))
     elif args.cmd == "report":
         head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
         print_table(head, report(conn))

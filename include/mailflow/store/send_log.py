@@ -18,6 +18,7 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
+from mailflow.sendloop.apply_by_index import CAMPAIGN_FIELDS, campaign_field
 from mailflow.sendloop.keys import batch_key, key_tag
 from mailflow.sendloop.outcome import (
     Accepted,
@@ -514,6 +515,51 @@ class PostgresStore:
                 "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails[:sample]],
             })
         return out
+
+
+@dataclass(frozen=True)
+class Reopened:
+    """What :func:`reopen_refused` found and did: ``found`` failed rows whose error names the field,
+    ``reopened`` (lifecycle rows released, scheduled rows back to pending), ``kept_ambiguous``
+    (part of an ambiguous request: left as they are), ``campaign_paused`` (a completed scheduled
+    campaign became paused)."""
+
+    found: int
+    reopened: int
+    kept_ambiguous: int
+    campaign_paused: bool
+
+
+def reopen_refused(conn: psycopg.Connection, campaign: str, field: str | None = None, *,
+                   apply: bool = False) -> Reopened:
+    """Re-open the rows of ``campaign`` that the provider rejected for a field of the CAMPAIGN, not
+    of the recipient (the rule of :func:`mailflow.sendloop.apply_by_index.campaign_field`, applied to
+    each row's stored error; ``field`` restricts it to one field, e.g. ``"from"``): users charged for
+    the campaign's mistake before such refusals were recognised (docs/operations.md, "A campaign
+    the provider refused"). Lifecycle rows are released (the next run decides again), scheduled
+    rows go back to ``pending`` and a completed scheduled campaign becomes ``paused``: fix the field,
+    then resume it. Each change appends an event; the old error is kept in the new one.
+
+    :param apply: False (default): count only, change nothing.
+    :raises ValueError: if ``field`` is not a campaign field.
+    """
+    if field is not None and field not in CAMPAIGN_FIELDS:
+        raise ValueError(f"{field!r} is not a field of the campaign (one of {', '.join(sorted(CAMPAIGN_FIELDS))})")
+    with conn.transaction():
+        rows = conn.execute(query("send_log", "refused_candidates"), {"campaign": campaign}).fetchall()
+        hits = [r for r in rows if (f := campaign_field(str(r[2]))) is not None and (field is None or f == field)]
+        ambiguous = sum(1 for r in hits if r[3])
+        ids = [int(r[0]) for r in hits if not r[3]]
+        if not apply or not ids:
+            return Reopened(found=len(hits), reopened=0, kept_ambiguous=ambiguous, campaign_paused=False)
+        done = conn.execute(query("send_log", "reopen_refused"), {
+            "ids": ids, "reason": "re-opened: the provider refused a field of the campaign, not this recipient"
+        }).fetchall()
+        scheduled = any(r[1] == "scheduled" for r in hits)
+        paused = bool(scheduled and conn.execute(query("send_log", "reopen_campaign"), {
+            "campaign": campaign, "detail": Jsonb({"reason": "rows re-opened by reopen-refused", "rows": len(done)})
+        }).fetchall())
+    return Reopened(found=len(hits), reopened=len(done), kept_ambiguous=ambiguous, campaign_paused=paused)
 
 
 def eligible_sql(campaign: Campaign, *, policy: bool = True, snapshot: bool = False) -> pgsql.Composed:

@@ -17,7 +17,10 @@ select user_id from mail.contact where user_id = any(%(ids)s::bigint[]) order by
 -- Every contact of these users that can matter (docs/model.md, "The contact policy"): sent since
 -- `since`, in flight ('sending', at = null = now), and with include_planned (lifecycle mail) planned
 -- ('pending') before `until`, at its planned time or now if that passed (an overdue planned email
--- goes out as soon as it is dispatched). Excludes the rows being claimed (`except_ids`).
+-- goes out as soon as it is dispatched). Excludes the rows being claimed (`except_ids`). A planned
+-- email overdue by more than an hour is not counted: a dispatcher that runs every minute would have
+-- sent it, so its campaign is paused or dispatch is down, and it will not go out now; should it
+-- ever be claimed, that claim re-checks the policy under the contact guard (docs/model.md).
 select c.user_id, c.id, c.campaign, c.status,
        case when c.status = 'sent' then c.sent_at
             when c.status = 'pending' then greatest(coalesce(c.scheduled_at, c.minted_at), now()) end as at
@@ -26,7 +29,8 @@ where c.user_id = any(%(ids)s::bigint[])
   and c.id <> all(%(except_ids)s::bigint[])
   and ((c.status = 'sent' and c.sent_at >= %(since)s)
        or c.status = 'sending'
-       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s))
+       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s
+           and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour'))
 order by c.user_id, c.id
 
 -- name: suppressed_addresses
@@ -66,5 +70,6 @@ where c.user_id = any(%(ids)s::bigint[])
   and ((c.status = 'sent' and c.sent_at >= least(%(ref)s::timestamptz, now()) - %(widest)s::interval)
        or c.status = 'sending'
        or (%(include_planned)s and c.status = 'pending'
-           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval))
+           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval
+           and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour'))
 order by c.user_id
