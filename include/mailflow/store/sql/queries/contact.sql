@@ -18,7 +18,7 @@ select user_id from mail.contact where user_id = any(%(ids)s::bigint[]) order by
 -- `since`, in flight ('sending', at = null = now), and with include_planned (lifecycle mail) planned
 -- ('pending') before `until`, at its planned time or now if that passed (an overdue planned email
 -- goes out as soon as it is dispatched). Excludes the rows being claimed (`except_ids`). A planned
--- email overdue by more than an hour is not counted: a dispatcher that runs every minute would have
+-- email overdue by more than a day is not counted: a dispatcher that runs every minute would have
 -- sent it, so its campaign is paused or dispatch is down, and it will not go out now; should it
 -- ever be claimed, that claim re-checks the policy under the contact guard (docs/model.md).
 select c.user_id, c.id, c.campaign, c.status,
@@ -30,7 +30,7 @@ where c.user_id = any(%(ids)s::bigint[])
   and ((c.status = 'sent' and c.sent_at >= %(since)s)
        or c.status = 'sending'
        or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s
-           and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour'))
+           and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 day'))
 order by c.user_id, c.id
 
 -- name: suppressed_addresses
@@ -71,5 +71,5 @@ where c.user_id = any(%(ids)s::bigint[])
        or c.status = 'sending'
        or (%(include_planned)s and c.status = 'pending'
            and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval
-           and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour'))
+           and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 day'))
 order by c.user_id

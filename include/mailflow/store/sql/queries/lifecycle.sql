@@ -40,7 +40,7 @@ where not exists (select 1 from mail.send_log d
 -- interval end - cooldown (no upper bound, so a backfill also sees what was sent after its
 -- interval), in flight ('sending'), or planned ('pending') before cooldown_until = greatest(interval
 -- end, now()) + cooldown: measured from the ACTUAL send time (now), so a backfill never sends inside
--- a planned email's cooldown. A planned email overdue by more than an hour is not counted (its
+-- a planned email's cooldown. A planned email overdue by more than a day is not counted (its
 -- campaign is paused or dispatch is down: contact.contacts_of says why). Two anti-joins over the users' contacts (send_log_contact_idx; 0011
 -- dropped the send_log_sent_idx these once read as one range), then the caps.
 and not exists (select 1 from mail.send_log c
@@ -50,7 +50,7 @@ and not exists (select 1 from mail.send_log c
                     and (c.status = 'sending'
                          or (coalesce(c.scheduled_at, c.minted_at)
                              < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval)
-                             and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour')))
+                             and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 day')))
   {caps}
 
 -- name: eligible_cap
@@ -68,7 +68,7 @@ and not exists (
               where c.status in ('pending', 'sending')
                 and (c.status = 'sending'
                      or (coalesce(c.scheduled_at, c.minted_at) < greatest({until}::timestamptz, now() + {window}::interval)
-                         and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour'))
+                         and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 day'))
           ) as x
           group by x.user_id
           having count(*) >= {emails}
@@ -114,7 +114,7 @@ left join lateral (
         or bool_or(c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
         or bool_or(c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)
                                              < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval)
-                   and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour')
+                   and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 day')
         {caps}
 ) as p on true
 
@@ -123,7 +123,7 @@ left join lateral (
 or count(*) filter (where (c.status = 'sent' and c.sent_at >= {since}) or c.status = 'sending'
                             or (c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)
                                 < greatest({until}::timestamptz, now() + {window}::interval)
-                                and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 hour')) >= {emails}
+                                and coalesce(c.scheduled_at, c.minted_at) >= now() - interval '1 day')) >= {emails}
 
 -- name: snapshot_key
 -- The snapshot's key, built once after the fill (a sort of the survivors; cheaper than checking
