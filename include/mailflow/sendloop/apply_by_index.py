@@ -23,6 +23,12 @@ from mailflow.sendloop.outcome import Accepted, Outcome, Unknown
 CAMPAIGN_FIELDS = frozenset({"from", "reply_to", "subject", "html", "text", "headers", "tags", "attachments",
                              "scheduled_at", "react", "template"})
 RECIPIENT_FIELDS = frozenset({"to", "cc", "bcc"})
+#: Campaign fields rendered from each recipient's data (``{{ user.first_name }}`` in a subject): a
+#: refusal of SOME emails of a batch for one of them is about those recipients' data and fails
+#: those rows as before; only when EVERY email of a batch of two or more is refused for the same
+#: rendered field is the template itself at fault (campaign-level). The other campaign fields are the same bytes in
+#: every email (or built by this package, the headers): one refusal is enough.
+RENDERED_FIELDS = frozenset({"subject", "html", "text", "react", "template"})
 
 # A field named in an error message: in backticks or quotes (Resend writes "Invalid `from` field",
 # "Missing `from` field"), or as a bare word before "field" / "address" ("invalid from address").
@@ -61,7 +67,8 @@ def reconcile_by_index(request_size: int, payload: Any) -> Outcome:
     Accepted emails take the ``data`` ids in order over the indices not named in ``errors``.
 
     An error whose message names a field of the campaign (:func:`campaign_field`: ``from``,
-    ``reply_to``, ``headers``, the rendered subject or body) is not the recipient's fault: its index
+    ``reply_to``, ``headers``; a rendered subject or body only when every email of the batch is
+    refused for that same field, see :data:`RENDERED_FIELDS`) is not the recipient's fault: its index
     goes to ``withheld`` (released, nobody charged) and the outcome stops the run with an alert
     (``stop_run`` "campaign refused: `<field>`", ``fatal``, ``campaign_field``). Accepted indices of
     the same answer stay accepted.
@@ -96,6 +103,10 @@ def reconcile_by_index(request_size: int, payload: Any) -> Outcome:
     if len(set(ids.values())) != len(ids):
         return Unknown(reason="ambiguous response: duplicate provider ids")
     fields = {i: f for i, m in rejected.items() if (f := campaign_field(m)) is not None}
+    if request_size < 2 or len(fields) < request_size or len(set(fields.values())) > 1:
+        # a rendered field is the template's fault only if every email of a batch (two or more:
+        # one email cannot tell the template from its recipient's data) is refused for it
+        fields = {i: f for i, f in fields.items() if f not in RENDERED_FIELDS}
     if not fields:
         return Accepted(ids=ids, rejected=rejected)
     withheld = {i: rejected.pop(i) for i in sorted(fields)}

@@ -87,8 +87,8 @@ class Accepted:
     kind: Literal["accepted"] = "accepted"
     stop_run: str | None = None
     #: request index -> the provider's message, for emails refused for a field that belongs to the
-    #: CAMPAIGN (``from``, ``reply_to``, ``headers``, the rendered subject or body: the same in every
-    #: email of the campaign), not to the recipient: nobody is charged (the rows are released like
+    #: CAMPAIGN (``from``, ``reply_to``, ``headers``; a rendered subject or body refused in every
+    #: email of the batch), not to the recipient: nobody is charged (the rows are released like
     #: a :class:`NotSent`), the run stops (``stop_run``) and the task fails (``fatal``).
     withheld: dict[int, str] = field(default_factory=dict)
     fatal: bool = False

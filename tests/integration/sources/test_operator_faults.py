@@ -119,24 +119,35 @@ def test_cancelled_stragglers_are_cleaned_by_migration_0017_with_an_event(pg_adm
         devenv.drop_database(pg_admin_dsn, name)
 
 
-def test_pending_rows_of_a_cancelled_or_long_paused_campaign_do_not_block_lifecycle_mail(
+def test_pending_rows_of_a_paused_or_cancelled_campaign_do_not_block_lifecycle_mail(
         lifecycle_rig: LifecycleRig) -> None:  # noqa: F811
     rig = lifecycle_rig
+    rig.db.execute("truncate mail.campaign_event, mail.campaign_recipient, mail.campaign restart identity cascade")
+    rig.db.execute("insert into mail.campaign (name, template, subject, from_address, recipients_sql, status) values"
+                   " ('paused_outreach', 'outreach', 's', 'a@example.com', 'free_plan_users', 'paused'),"
+                   " ('cancelled_outreach', 'outreach', 's', 'a@example.com', 'free_plan_users', 'cancelled'),"
+                   " ('live_outreach', 'outreach', 's', 'a@example.com', 'free_plan_users', 'scheduled')")
     now = datetime.now(UTC)
-    for uid in (1, 2, 3):
+    for uid in (1, 2, 3, 4):
         add_user(rig.db, uid)
-    # user 1: a planned email of a paused campaign, overdue by 3 days (it will not go out now);
-    # user 2: the same, overdue by 2 hours (a dispatcher may still send it: counts as now);
-    # user 3: planned in 2 days (counts at its planned time)
-    for uid, at in ((1, now - timedelta(days=3)), (2, now - timedelta(hours=2)), (3, now + timedelta(days=2))):
+    # planned emails overdue by 3 days: user 1's campaign is paused (it sends nothing until resumed,
+    # and its claim then re-checks the policy), user 2's was cancelled (a straggler left pending),
+    # user 3's is active (waiting for the dispatcher: goes out now); user 4's is active, planned in 2 days
+    for uid, campaign, at in ((1, "paused_outreach", now - 3 * timedelta(days=1)),
+                              (2, "cancelled_outreach", now - 3 * timedelta(days=1)),
+                              (3, "live_outreach", now - 3 * timedelta(days=1)),
+                              (4, "live_outreach", now + 2 * timedelta(days=1))):
         rig.db.execute("insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at)"
-                       " values (%s, 'paused_outreach', 'scheduled', %s, 'pending', %s)",
-                       (uid, f"user{uid}@example.com", at))
+                       " values (%s, %s, 'scheduled', %s, 'pending', %s)", (uid, campaign, f"user{uid}@example.com", at))
 
     [s] = rig.run([simple_campaign("lc", 1)])
 
-    assert (s.eligible, s.minted, s.sent, s.held) == (1, 1, 1, 0)
-    assert [r["user_id"] for r in rig.rows("status = 'sent'")] == [1]
+    assert (s.eligible, s.minted, s.sent, s.held) == (2, 2, 2, 0)
+    assert [r["user_id"] for r in rig.rows("status = 'sent'")] == [1, 2]
+    # and once that campaign is paused too, its planned emails stop holding users 3 and 4
+    rig.db.execute("update mail.campaign set status = 'paused' where name = 'live_outreach'")
+    [again] = rig.run([simple_campaign("lc2", 2, "user_id in (3, 4)")])
+    assert (again.eligible, again.sent) == (2, 2)
 
 
 # -- a deferral the plan cannot place ---------------------------------------------------------------

@@ -119,7 +119,7 @@ SEND_LOG_INDEXES = {
     "send_log_run_idx": "CREATE INDEX send_log_run_idx ON mail.send_log USING btree (run_id, campaign)"
                         " WHERE (run_id IS NOT NULL)",
     "send_log_contact_idx": "CREATE INDEX send_log_contact_idx ON mail.send_log USING btree (user_id, sent_at)"
-                            " INCLUDE (status, scheduled_at, minted_at)"
+                            " INCLUDE (status, scheduled_at, minted_at, campaign)"
                             " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
 }
 
