@@ -36,7 +36,8 @@ UNEXPECTED = 4  # exit code of a child that raised something other than SendErro
 class Scenario:
     """One fault kind: ``faults`` = emulator settings of the fault phase; ``key`` = the API key the
     actors use; ``strict`` = strict batch validation (some users' emails are refused by the
-    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage`` or ``quota``
+    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``cancel`` (an operator
+    cancels the scheduled campaign while a batch is in flight), ``outage`` or ``quota``
     (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
 
     name: str
@@ -77,6 +78,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("mixed", "every fault above at a low rate at once",
              {"error_rate": 0.05, "error_after_rate": 0.05, "reset_after_accept_rate": 0.05, "timeout_rate": 0.05,
               "hang_seconds": HANG_SECONDS, "scramble_order": True}, status_cycle=(500, 502, 503, 504), weight=1.5),
+    Scenario("cancel_while_in_flight", "the scheduled campaign cancelled while a batch is in flight, answered "
+             "429 daily_quota_exceeded", {}, driver="cancel", weight=0.7),
 )
 
 FAULTS_OFF: dict[str, Any] = {
