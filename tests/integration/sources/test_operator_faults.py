@@ -207,6 +207,7 @@ def test_one_campaign_error_does_not_stop_other_campaigns_and_pauses_it(rig: Rig
     [(frm, to, reason)] = _campaign_events(rig, broken)[-1:]
     assert (frm, to) == ("scheduled", "paused") and "TemplateNotFound" in reason and "no_such_template" in reason
     assert rig.campaign_row(good)["status"] == "completed"
+    assert "TemplateNotFound" in scheduled.status(rig.db, broken)["paused_reason"]
     assert rig.outbox_ids() == Counter({r["id"]: 1 for r in rows if r["status"] == "sent"})
     assert rig.dispatch(budget_seconds=2).claimed == 0  # the next run is clean: the broken one is paused
 

@@ -150,11 +150,14 @@ def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor:
 
 def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     """A campaign's settings, checkpoint and rows by state, the next due time and the send
-    lateness (``sent_at - scheduled_at``) p50/p99 in seconds. Datetimes as ISO text."""
+    lateness (``sent_at - scheduled_at``) p50/p99 in seconds, and for a paused campaign
+    ``paused_reason`` (why the dispatcher paused it, or None). Datetimes as ISO text."""
     with conn.transaction():
         c = _one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         counts = _one(conn, query("scheduled", "campaign_counts"), {"campaign": c["name"]}) or {}
-    out = {**c, "rows": counts}
+        reason = conn.execute(query("scheduled", "pause_reason"), {"id": campaign_id}).fetchone() \
+            if c["status"] == "paused" else None
+    out = {**c, "rows": counts, "paused_reason": reason[0] if reason else None}
     return json.loads(json.dumps(out, default=_json_default))
