@@ -26,7 +26,7 @@ from scheduled_rig import (
 )
 
 from mailflow.cli import main as cli_main
-from mailflow.sendloop.outcome import PreparedBatch, SendError
+from mailflow.sendloop.outcome import NotSent, PreparedBatch, SendError
 from mailflow.sources import scheduled
 from mailflow.store.migrate import migrate, migration_files
 from mailflow.store.policy import ContactPolicy
@@ -292,3 +292,34 @@ def test_rows_failed_for_a_campaign_field_are_reopened_by_the_command(rig: Rig, 
     assert rig.campaign_row(cid)["status"] == "paused"
     with pytest.raises(ValueError, match="not a field of the campaign"):
         reopen_refused(rig.db, "old_bad_from", "to")
+
+
+class RefusesWhole:
+    """A provider that refuses every batch of ``campaign`` whole, naming its `from` (HTTP 422 to a
+    permissive batch), and sends the others through the real client."""
+
+    def __init__(self, rig: Rig, campaign: str):
+        self.inner, self.campaign = rig.client(), campaign
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None, **kw: Any) -> Any:
+        if batch.campaign == self.campaign:
+            return NotSent(reason="provider refused the whole request: HTTP 422 validation_error: Invalid `from` "
+                           "field. The email address needs to follow the `email@example.com` format.",
+                           stop_run="request refused", fatal=True)
+        return self.inner.send_batch(batch, deadline, slot, **kw)
+
+
+def test_campaign_level_whole_request_refusal_pauses_that_campaign_and_the_others_go_on(rig: Rig) -> None:
+    bad = provisioned(rig, 3, name="bad_from")
+    good = rig.campaign("good_campaign", **ALL_DAY, start_at=PAST + timedelta(days=1))
+    assert rig.provision(good, now=PAST + timedelta(days=1)).created == 3
+
+    with pytest.raises(SendError, match="bad_from: provider refused the campaign's `from`"):
+        rig.dispatch(client=RefusesWhole(rig, "bad_from"), policy=ContactPolicy(cooldown=timedelta(0)))
+
+    assert [(r["status"], r["attempts"]) for r in rig.rows("campaign = 'bad_from'")] == [("pending", 0)] * 3
+    assert [r["status"] for r in rig.rows("campaign = 'good_campaign'")] == ["sent"] * 3
+    assert rig.campaign_row(bad)["status"] == "paused"
