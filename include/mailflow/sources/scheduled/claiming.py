@@ -115,16 +115,6 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     return out
 
 
-class CampaignDispatchError(Exception):
-    """Claiming the due rows of campaign ``campaign`` raised ``cause`` (e.g. its template is missing
-    or broken): the claim was rolled back (its rows stay ``pending``). The dispatcher pauses that
-    campaign with the reason, goes on with the others and fails the task at the end."""
-
-    def __init__(self, campaign: str, cause: BaseException):
-        super().__init__(f"{campaign}: {type(cause).__name__}: {cause}")
-        self.campaign, self.cause = campaign, cause
-
-
 def _render_campaign(c: Mapping[str, Any]) -> Campaign:
     """The renderer's :class:`Campaign` for a ``mail.campaign`` row: the subject is the snapshot
     rendered at provisioning (``user.subject``); audience fields are unused."""
@@ -158,6 +148,7 @@ class _Dispatcher:
         self.campaigns: dict[str, Campaign] = {}
         self.campaign_rows: dict[str, dict[str, Any]] = {}
         self.policy: ContactPolicy = policy if policy is not None else load_policy()
+        self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -189,67 +180,61 @@ class _Dispatcher:
         users' ``mail.contact`` rows are locked in user_id order and the policy is re-evaluated on
         what is committed now; a held row is deferred to the first planned slot after the window
         (``on_policy = 'defer'``), or ``skipped`` with the reason, or sent anyway (``ignore``).
-        Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``."""
+        Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``. If it
+        raises after picking, the transaction is rolled back and ``self.claiming`` names the
+        campaign whose rows were picked (the dispatcher pauses it and goes on)."""
+        self.claiming = None
         with self.conn.transaction():
             suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
             picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
             if not picked:
                 return suppressed, None
+            self.claiming = str(picked[0][4])  # the campaign at fault if what follows raises
+            crow = self._campaign_row(str(picked[0][4]))
+            decided = self._guard(crow, picked)
+            if decided:
+                self.conn.execute(query("scheduled", "decide_rows"), self.who | {
+                    "ids": list(decided), "statuses": [d[0] for d in decided.values()],
+                    "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
+            go = [r for r in picked if int(r[0]) not in decided]
+            found: list[Any] = []
+            if go:
+                addrs = [normalise_address(r[2]) for r in go]
+                found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
+                    "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
+                    "keys": [a.key for a in addrs]}).fetchall()
+            counts: dict[str, int] = {}
+            for st, _, _at in decided.values():
+                k = "deferred" if st == "pending" else st
+                counts[k] = counts.get(k, 0) + 1
+            if not found:
+                return suppressed + counts.pop("cancelled", 0), _Claim(
+                    self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
+            suppressed += counts.pop("cancelled", 0)
+            campaign = self._campaign(str(found[0][4]))
+            rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
+            attempts = {int(r[0]): int(r[5]) for r in found}
+            bad: dict[int, str] = {}
             try:
-                return self._claim_picked(suppressed, picked)
-            except psycopg.OperationalError:
-                raise  # the database itself: not one campaign's fault
-            except Exception as exc:
-                raise CampaignDispatchError(str(picked[0][4]), exc) from exc
-
-    def _claim_picked(self, suppressed: int, picked: Sequence[Any]) -> tuple[int, _Claim | None]:
-        """The rest of :meth:`claim` for the rows ``pick_due`` locked (one campaign's), inside its
-        transaction."""
-        crow = self._campaign_row(str(picked[0][4]))
-        decided = self._guard(crow, picked)
-        if decided:
-            self.conn.execute(query("scheduled", "decide_rows"), self.who | {
-                "ids": list(decided), "statuses": [d[0] for d in decided.values()],
-                "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
-        go = [r for r in picked if int(r[0]) not in decided]
-        found: list[Any] = []
-        if go:
-            addrs = [normalise_address(r[2]) for r in go]
-            found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
-                "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
-                "keys": [a.key for a in addrs]}).fetchall()
-        counts: dict[str, int] = {}
-        for st, _, _at in decided.values():
-            k = "deferred" if st == "pending" else st
-            counts[k] = counts.get(k, 0) + 1
-        if not found:
-            return suppressed + counts.pop("cancelled", 0), _Claim(
-                self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
-        suppressed += counts.pop("cancelled", 0)
-        campaign = self._campaign(str(found[0][4]))
-        rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
-        attempts = {int(r[0]): int(r[5]) for r in found}
-        bad: dict[int, str] = {}
-        try:
-            batch: PreparedBatch | None = self.prepare(campaign, rows)
-        except (jinja2.TemplateError, ValueError, TypeError):  # the renderer's RenderError is a ValueError
-            # Find the rows at fault: a recipient whose snapshot lacks a template variable fails
-            # (its snapshot will not change), the others go. Any other error (a missing or broken
-            # template) propagates: the claim rolls back and the rows stay pending.
-            good = []
-            for r in rows:
-                try:
-                    self.renderer.render_email(campaign, r)
-                    good.append(r)
-                except jinja2.UndefinedError as exc:
-                    bad[r.id] = f"render failed (template {campaign.template!r}): {exc}"
-            rows = tuple(good)
-            batch = self.prepare(campaign, rows) if rows else None
-        if bad:
-            self.conn.execute(query("send_log", "mark_failed"), self.who | {
-                "ids": list(bad), "msgs": list(bad.values())})
-        if batch is not None:
-            batch = self.store.save_batch(batch)
+                batch: PreparedBatch | None = self.prepare(campaign, rows)
+            except (jinja2.TemplateError, ValueError, TypeError):  # the renderer's RenderError is a ValueError
+                # Find the rows at fault: a recipient whose snapshot lacks a template variable fails
+                # (its snapshot will not change), the others go. Any other error (a missing or broken
+                # template) propagates: the claim rolls back and the rows stay pending.
+                good = []
+                for r in rows:
+                    try:
+                        self.renderer.render_email(campaign, r)
+                        good.append(r)
+                    except jinja2.UndefinedError as exc:
+                        bad[r.id] = f"render failed (template {campaign.template!r}): {exc}"
+                rows = tuple(good)
+                batch = self.prepare(campaign, rows) if rows else None
+            if bad:
+                self.conn.execute(query("send_log", "mark_failed"), self.who | {
+                    "ids": list(bad), "msgs": list(bad.values())})
+            if batch is not None:
+                batch = self.store.save_batch(batch)
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))

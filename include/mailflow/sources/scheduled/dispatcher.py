@@ -16,7 +16,7 @@ from mailflow.sendloop.engine import MAX_BATCH, ChunkPipeline, InFlight, release
 from mailflow.sendloop.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _actor
-from mailflow.sources.scheduled.claiming import CampaignDispatchError, DispatchSummary, _Claim, _Dispatcher
+from mailflow.sources.scheduled.claiming import DispatchSummary, _Claim, _Dispatcher
 from mailflow.sources.scheduled.control import complete, hold
 from mailflow.store.policy import ContactPolicy
 
@@ -153,11 +153,13 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                 break
             try:
                 suppressed, claim = d.claim()
-            except CampaignDispatchError as exc:  # rolled back: its rows stay pending
-                log.exception("dispatch of campaign %s failed; pausing it, the others go on", exc.campaign)
-                if exc.campaign in summary.paused:
-                    raise  # pausing it did not take it out of the queue: do not loop on it
-                pause_campaign(exc.campaign, f"dispatch failed: {type(exc.cause).__name__}: {exc.cause}")
+            except psycopg.OperationalError:
+                raise  # the database itself: not one campaign's fault
+            except Exception as exc:  # rolled back: the campaign's rows stay pending
+                if d.claiming is None or d.claiming in summary.paused:
+                    raise  # not one campaign's, or pausing it did not take it out of the queue
+                log.exception("dispatch of campaign %s failed; pausing it, the others go on", d.claiming)
+                pause_campaign(d.claiming, f"dispatch failed: {type(exc).__name__}: {exc}")
                 continue
             summary.suppressed += suppressed
             if claim is None:
