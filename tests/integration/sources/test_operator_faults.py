@@ -20,6 +20,7 @@ from lifecycle_rig import rig as lifecycle_rig  # noqa: F401  (fixture)
 from scheduled_rig import (
     ALL_DAY,
     PAST,
+    RUN,
     Rig,
     provisioned,
     rig,  # noqa: F401  (fixture)
@@ -323,3 +324,35 @@ def test_campaign_level_whole_request_refusal_pauses_that_campaign_and_the_other
     assert [(r["status"], r["attempts"]) for r in rig.rows("campaign = 'bad_from'")] == [("pending", 0)] * 3
     assert [r["status"] for r in rig.rows("campaign = 'good_campaign'")] == ["sent"] * 3
     assert rig.campaign_row(bad)["status"] == "paused"
+
+
+def test_cancel_committing_while_a_refusal_is_applied_still_cancels_the_rows(rig: Rig) -> None:
+    # the race of the release with a cancel in progress: the release waits for the campaign row the
+    # cancel holds and reads its committed status, so the rows never land pending in a cancelled campaign
+    import threading
+
+    from mailflow.store.send_log import PostgresStore
+
+    cid = provisioned(rig, 3)
+    ids = [r["id"] for r in rig.rows()]
+    rig.db.execute("update mail.send_log set status = 'sending', claimed_at = now(), attempts = 1 where id = any(%s)",
+                   (ids,))
+    batch = PreparedBatch(idempotency_key="k-race", campaign="outreach_test", row_ids=tuple(ids), body=b"[]")
+    operator = psycopg.connect(rig.dsn)
+    rig.closers.append(operator)
+    operator.execute("select * from mail.campaign where id = %s for update", (cid,))  # cancel() in progress
+    operator.execute("update mail.campaign set status = 'cancelled' where id = %s", (cid,))
+    applied: list[Any] = []
+    store = PostgresStore(rig.conn())
+    worker = threading.Thread(target=lambda: applied.append(store.apply(
+        batch, NotSent(reason="HTTP 429 daily_quota_exceeded", stop_run="daily_quota_exceeded"), RUN)))
+    worker.start()
+    worker.join(0.5)
+    assert worker.is_alive()  # waiting for the operator's campaign row
+    operator.commit()
+    worker.join(10)
+
+    assert applied and applied[0].released == 3
+    assert [(r["status"], r["attempts"]) for r in rig.rows()] == [("cancelled", 0)] * 3
+    assert all(r["error"] == "HTTP 429 daily_quota_exceeded (campaign cancelled: not returned to pending)"
+               for r in rig.rows())

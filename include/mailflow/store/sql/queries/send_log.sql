@@ -61,16 +61,16 @@ returning send_log_id
 -- A scheduled row of a campaign that is no longer active (cancelled or completed while the batch
 -- was in flight) becomes 'cancelled' with the reason instead: a pending row there would never be
 -- picked up and would count as a planned contact. The campaign rows are locked FOR SHARE, so a
--- cancel in progress is waited for and seen (and a cancel that comes later finds the row pending).
-with gone as materialized (
-    select k.name
+-- cancel in progress is waited for and its committed status is the one read here (a locking read
+-- returns the latest version of the row); a cancel that comes later finds the row pending.
+with camp as materialized (
+    select k.name, k.status
     from mail.campaign k
     where k.name in (select d.campaign from mail.send_log d
                      where d.id = any(%(ids)s::bigint[]) and d.kind = 'scheduled')
     for share of k
 ), inactive as (
-    select g.name from gone g join mail.campaign k on k.name = g.name
-    where k.status in ('cancelled', 'completed')
+    select name, status from camp where status in ('cancelled', 'completed')
 ), changed as (
     update mail.send_log l
     set status = case when l.kind = 'scheduled' and l.campaign in (select name from inactive) then 'cancelled'
@@ -80,7 +80,7 @@ with gone as materialized (
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
         batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
         error = case when l.kind = 'scheduled' and l.campaign in (select name from inactive)
-                     then %(reason)s || ' (campaign ' || (select k.status from mail.campaign k where k.name = l.campaign)
+                     then %(reason)s || ' (campaign ' || (select i.status from inactive i where i.name = l.campaign)
                           || ': not returned to pending)'
                      else %(reason)s end
     where l.id = any(%(ids)s::bigint[]) and l.status = 'sending' and l.ambiguous_at is null
