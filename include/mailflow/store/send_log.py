@@ -18,7 +18,7 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.apply_by_index import CAMPAIGN_FIELDS, campaign_field
+from mailflow.sendloop.apply_by_index import CAMPAIGN_FIELDS, RENDERED_FIELDS, campaign_field
 from mailflow.sendloop.keys import batch_key, key_tag
 from mailflow.sendloop.outcome import (
     Accepted,
@@ -534,7 +534,9 @@ def reopen_refused(conn: psycopg.Connection, campaign: str, field: str | None = 
                    apply: bool = False) -> Reopened:
     """Re-open the rows of ``campaign`` that the provider rejected for a field of the CAMPAIGN, not
     of the recipient (the rule of :func:`mailflow.sendloop.apply_by_index.campaign_field`, applied to
-    each row's stored error; ``field`` restricts it to one field, e.g. ``"from"``): users charged for
+    each row's stored error; ``field`` restricts it to one field, e.g. ``"from"``; without it, the
+    fields that are the same in every email: a rendered subject or body refused for one row may be
+    about that recipient's data, so those are re-opened only when named): users charged for
     the campaign's mistake before such refusals were recognised (docs/operations.md, "A campaign
     the provider refused"). Lifecycle rows are released (the next run decides again), scheduled
     rows go back to ``pending`` and a completed scheduled campaign becomes ``paused``: fix the field,
@@ -547,7 +549,8 @@ def reopen_refused(conn: psycopg.Connection, campaign: str, field: str | None = 
         raise ValueError(f"{field!r} is not a field of the campaign (one of {', '.join(sorted(CAMPAIGN_FIELDS))})")
     with conn.transaction():
         rows = conn.execute(query("send_log", "refused_candidates"), {"campaign": campaign}).fetchall()
-        hits = [r for r in rows if (f := campaign_field(str(r[2]))) is not None and (field is None or f == field)]
+        hits = [r for r in rows if (f := campaign_field(str(r[2]))) is not None
+                and (f == field if field is not None else f not in RENDERED_FIELDS)]
         ambiguous = sum(1 for r in hits if r[3])
         ids = [int(r[0]) for r in hits if not r[3]]
         if not apply or not ids:
