@@ -11,11 +11,13 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow dead-letters resend (--ids 1,2 | --all) --by NAME --reason TEXT --accept-duplicate-risk
     mailflow dead-letters close  (--ids 1,2 | --all) --by NAME --reason TEXT
     mailflow breaker [--close --by NAME --reason TEXT]  # the providers' circuit breakers
+    mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -178,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                         parents=[common])
     br.add_argument("--close", metavar="ACCOUNT", help="close this account's breaker by hand (the provider is back)")
     br.add_argument("--by", default="", help="who closes it")
+    r = sub.add_parser("reopen-refused", parents=[common],
+                       help="re-open rows the provider rejected for a field of the campaign (e.g. `from`), "
+                            "not of the recipient (docs/operations.md); counts only without --apply")
+    r.add_argument("--campaign", required=True)
+    r.add_argument("--field", default=None, help="only rows whose error names this campaign field")
+    r.add_argument("--apply", action="store_true", help="change the rows (default: count only)")
     args = p.parse_args(argv)
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
@@ -211,6 +219,15 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         applied = migrate(conn, lock_timeout_seconds=args.lock_timeout)
         print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    elif args.cmd == "reopen-refused":
+        from mailflow.store.send_log import reopen_refused
+
+        try:
+            done = reopen_refused(conn, args.campaign, args.field, apply=args.apply)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(dataclasses.asdict(done) | {"applied": args.apply}, indent=2))
     elif args.cmd == "report":
         head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
         print_table(head, report(conn))

@@ -83,12 +83,22 @@ class PreparedBatch:
 class Accepted:
     """The provider answered 2xx and the answer adds up: ``ids`` maps request index -> provider email
     id, ``rejected`` maps request index -> the provider's message (a per-recipient error: that exact
-    email is refused, the only thing that fails a row). Every index is in exactly one of them."""
+    email is refused, the only thing that fails a row), ``withheld`` maps request index -> the
+    message of a refusal that names a campaign field (charges nobody, see below). Every index is in
+    exactly one of them."""
 
     ids: dict[int, str]
     rejected: dict[int, str]
     kind: Literal["accepted"] = "accepted"
     stop_run: str | None = None
+    #: request index -> the provider's message, for emails refused for a field that belongs to the
+    #: CAMPAIGN (``from``, ``reply_to``, ``headers``; a rendered subject or body refused in every
+    #: email of the batch), not to the recipient: nobody is charged (the rows are released like
+    #: a :class:`NotSent`), the run stops (``stop_run``) and the task fails (``fatal``).
+    withheld: dict[int, str] = field(default_factory=dict)
+    fatal: bool = False
+    #: the campaign field the provider refused (``withheld`` is not empty), e.g. ``"from"``
+    campaign_field: str | None = None
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,12 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
              "" if isinstance(outcome, Accepted) else f" ({outcome.reason})")
     if state.breaker is not None:
         state.breaker.record(outcome)  # a whole-request failure opens it for every sender
+    if isinstance(outcome, Accepted) and outcome.stop_run:
+        # the provider refused a field of the campaign (its sender, headers, rendered subject):
+        # nobody was charged (those rows were released); it would repeat, so the run stops, alerted
+        if outcome.fatal:
+            state.fatal.append(f"{summary.campaign}: {outcome.stop_run}")
+        summary.stopped = state.stop = outcome.stop_run
     if isinstance(outcome, NotSent | Unknown | Refused):
         if outcome.fatal:
             state.fatal.append(f"{summary.campaign}: {outcome.reason}")

@@ -8,7 +8,8 @@ new email back when N contacts of the user already lie within W of it:
 * a **contact** is an email of any campaign and kind that was sent (``sent``, at ``sent_at``), is in
   flight (``sending``: claimed, or of unknown outcome; counted as "now", inside every window) or,
   for lifecycle mail only, is planned (``pending``, at ``scheduled_at``, or now if that passed: a
-  planned scheduled email keeps lifecycle mail away from its actual send time). Rejected, rolled-back, cancelled, skipped
+  planned scheduled email keeps lifecycle mail away from its actual send time; not while its
+  campaign is paused, cancelled or completed: such a campaign sends nothing). Rejected, rolled-back, cancelled, skipped
   and duplicate rows are not contacts.
 * **window bounds** are instants (UTC, elapsed time: P1D is 24 hours across a DST change): for a
   new email decided with reference time ``ref`` (the data interval end of a lifecycle run, or now)

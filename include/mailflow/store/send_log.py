@@ -18,6 +18,7 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
+from mailflow.sendloop.apply_by_index import CAMPAIGN_FIELDS, RENDERED_FIELDS, campaign_field
 from mailflow.sendloop.keys import batch_key, key_tag
 from mailflow.sendloop.outcome import (
     Accepted,
@@ -449,13 +450,25 @@ class PostgresStore:
                     idx = sorted(outcome.ids)
                     sent = len(self.conn.execute(query("send_log", "mark_sent"), who | {
                         "ids": [ids[i] for i in idx], "pids": [outcome.ids[i] for i in idx]}).fetchall())
-                if outcome.rejected:
-                    idx = sorted(outcome.rejected)
+                rejected = dict(outcome.rejected)
+                returned = 0
+                if outcome.withheld:
+                    # refused for a field of the campaign (its sender, headers, rendered subject):
+                    # not the recipient's fault, so released uncharged like a NotSent; a row that
+                    # was part of an ambiguous request cannot be released (it keeps the key's
+                    # answer) and fails with the message (re-opened with the documented command)
+                    reason = f"campaign refused by the provider: {outcome.stop_run or ''}"[:1000]
+                    done = {r[0] for r in self.conn.execute(query("send_log", "release"), who | {
+                        "ids": [ids[i] for i in sorted(outcome.withheld)], "reason": reason}).fetchall()}
+                    returned = len(done)
+                    rejected |= {i: m for i, m in outcome.withheld.items() if ids[i] not in done}
+                if rejected:
+                    idx = sorted(rejected)
                     failed = len(self.conn.execute(query("send_log", "mark_failed"), who | {
                         "ids": [ids[i] for i in idx],
-                        "msgs": [outcome.rejected[i][:1000] for i in idx]}).fetchall())
+                        "msgs": [rejected[i][:1000] for i in idx]}).fetchall())
                 self._memory.applied(run.run_id, ids, [ids[i] for i in outcome.rejected])
-                return Applied(sent=sent, failed=failed)
+                return Applied(sent=sent, failed=failed, released=returned)
             if isinstance(outcome, Refused):
                 # Strict validation refused the whole request: nothing was processed and nothing
                 # changes here; the caller re-sends the chunk permissive under a new key.
@@ -514,6 +527,54 @@ class PostgresStore:
                 "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails[:sample]],
             })
         return out
+
+
+@dataclass(frozen=True)
+class Reopened:
+    """What :func:`reopen_refused` found and did: ``found`` failed rows whose error names the field,
+    ``reopened`` (lifecycle rows released, scheduled rows back to pending), ``kept_ambiguous``
+    (part of an ambiguous request: left as they are), ``campaign_paused`` (a completed scheduled
+    campaign became paused)."""
+
+    found: int
+    reopened: int
+    kept_ambiguous: int
+    campaign_paused: bool
+
+
+def reopen_refused(conn: psycopg.Connection, campaign: str, field: str | None = None, *,
+                   apply: bool = False) -> Reopened:
+    """Re-open the rows of ``campaign`` that the provider rejected for a field of the CAMPAIGN, not
+    of the recipient (the rule of :func:`mailflow.sendloop.apply_by_index.campaign_field`, applied to
+    each row's stored error; ``field`` restricts it to one field, e.g. ``"from"``; without it, the
+    fields that are the same in every email: a rendered subject or body refused for one row may be
+    about that recipient's data, so those are re-opened only when named): users charged for
+    the campaign's mistake before such refusals were recognised (docs/operations.md, "A campaign
+    the provider refused"). Lifecycle rows are released (the next run decides again), scheduled
+    rows go back to ``pending`` and a completed scheduled campaign becomes ``paused``: fix the field,
+    then resume it. Each change appends an event; the old error is kept in the new one.
+
+    :param apply: False (default): count only, change nothing.
+    :raises ValueError: if ``field`` is not a campaign field.
+    """
+    if field is not None and field not in CAMPAIGN_FIELDS:
+        raise ValueError(f"{field!r} is not a field of the campaign (one of {', '.join(sorted(CAMPAIGN_FIELDS))})")
+    with conn.transaction():
+        rows = conn.execute(query("send_log", "refused_candidates"), {"campaign": campaign}).fetchall()
+        hits = [r for r in rows if (f := campaign_field(str(r[2]))) is not None
+                and (f == field if field is not None else f not in RENDERED_FIELDS)]
+        ambiguous = sum(1 for r in hits if r[3])
+        ids = [int(r[0]) for r in hits if not r[3]]
+        if not apply or not ids:
+            return Reopened(found=len(hits), reopened=0, kept_ambiguous=ambiguous, campaign_paused=False)
+        done = conn.execute(query("send_log", "reopen_refused"), {
+            "ids": ids, "reason": "re-opened: the provider refused a field of the campaign, not this recipient"
+        }).fetchall()
+        scheduled = any(r[1] == "scheduled" for r in hits)
+        paused = bool(scheduled and conn.execute(query("send_log", "reopen_campaign"), {
+            "campaign": campaign, "detail": Jsonb({"reason": "rows re-opened by reopen-refused", "rows": len(done)})
+        }).fetchall())
+    return Reopened(found=len(hits), reopened=len(done), kept_ambiguous=ambiguous, campaign_paused=paused)
 
 
 def eligible_sql(campaign: Campaign, *, policy: bool = True, snapshot: bool = False) -> pgsql.Composed:

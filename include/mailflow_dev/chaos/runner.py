@@ -36,6 +36,7 @@ from mailflow_dev.chaos.scenarios import (
     KILL_POINTS,
     ROTATED_KEY,
     SCENARIOS,
+    SCHEDULED,
     SENDING_ONLY_KEY,
     ActorSpec,
     Plan,
@@ -249,6 +250,50 @@ def _rotation_phase(r: Runner, kills: int) -> None:
     r.previous_keys = (r.scn.key,)
 
 
+def _cancel_phase(r: Runner, kills: int) -> None:
+    """An operator cancels the scheduled campaign while one of its batches is in flight, and the
+    provider then refuses that batch whole (429 ``daily_quota_exceeded``: proven not processed).
+    A new provider day starts with a daily quota of a third of the campaign; a first dispatcher run
+    sends that third and stops at the quota; the next one cancels the campaign (another session,
+    committed) at the moment its first batch goes out, so the refusal is applied to rows of a
+    cancelled campaign: they must become ``cancelled``, never ``pending`` again (a pending row there
+    is never picked up and would count as a contact; the audit's due-pending count sees it). Then
+    random actors are killed while the quota stays exhausted; the recovery lifts it."""
+    from mailflow.provider.client import ResendClient
+    from mailflow.sources import scheduled
+
+    with psycopg.connect(r.dsn, autocommit=True) as conn:
+        cid, due = conn.execute("select c.id, count(l.id) from mail.campaign c join mail.send_log l"
+                                " on l.campaign = c.name and l.status = 'pending' where c.name = %s group by c.id",
+                                (SCHEDULED,)).fetchone()  # type: ignore[misc]
+    r.emu.advance_clock((86400 - r.emu.now() % 86400) % 86400 + 1)  # the quota counts from a new provider day
+    r.emu.configure(quota_emails=max(1, int(due) // 3))
+    r.run("dispatcher", kill=False)
+    original = ResendClient.send_batch
+
+    def cancel_then_send(self: Any, *a: Any, **k: Any) -> Any:
+        with psycopg.connect(r.dsn, autocommit=True) as other:
+            scheduled.cancel(other, int(cid), actor="chaos operator")
+        ResendClient.send_batch = original  # type: ignore[method-assign]  # (in this child) once
+        return original(self, *a, **k)
+
+    ResendClient.send_batch = cancel_then_send  # type: ignore[method-assign]  # inherited by the next fork only
+    try:
+        r.run("dispatcher", kill=False)
+    finally:
+        ResendClient.send_batch = original  # type: ignore[method-assign]
+    with psycopg.connect(r.dsn, autocommit=True) as conn:
+        r.report.info["cancelled_in_flight"] = conn.execute(
+            "select count(*) from mail.send_event e join mail.send_log l on l.id = e.send_log_id"
+            " where l.campaign = %s and e.from_status = 'sending' and e.to_status = 'cancelled'",
+            (SCHEDULED,)).fetchone()[0]  # type: ignore[index]
+    _kill_phase(r, kills, first_chunk=True)
+    with psycopg.connect(r.dsn, autocommit=True) as conn:
+        r.report.info["pending_in_cancelled"] = conn.execute(
+            "select count(*) from mail.send_log l join mail.campaign c on c.name = l.campaign"
+            " where c.status = 'cancelled' and l.status = 'pending'").fetchone()[0]  # type: ignore[index]
+
+
 def recover(r: Runner, max_rounds: int = 25) -> int:
     """Faults off: reconciler, sender, dispatcher rounds (no kills) until no work is left or a
     round changes nothing. Returns the rounds run."""
@@ -352,6 +397,8 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
         _quota_phase(r, kills, 1.5 * step_minutes)
     elif scn.driver == "rotation":
         _rotation_phase(r, kills)
+    elif scn.driver == "cancel":
+        _cancel_phase(r, kills)
     elif scn.name == "team_rate_limit":
         with _noise(emu.base_url, 4.0):
             _kill_phase(r, kills)
@@ -386,7 +433,9 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
         f"states {report.info['states']}"
         + (f"; feedback {report.info['feedback']}" if "feedback" in report.info else "")
         + (f"; VIOLATED {bad}" if (bad := {k: v for k, v in report.invariants.items() if v}) else "")
-        + (f"; wrongly failed {report.info['wrongly_failed']}" if report.info["wrongly_failed"] else ""))
+        + (f"; wrongly failed {report.info['wrongly_failed']}" if report.info["wrongly_failed"] else "")
+        + (f"; {report.info['cancelled_in_flight']} rows cancelled in flight, {report.info['pending_in_cancelled']}"
+           " pending in a cancelled campaign" if "cancelled_in_flight" in report.info else ""))
     return report
 
 

@@ -36,8 +36,10 @@ UNEXPECTED = 4  # exit code of a child that raised something other than SendErro
 class Scenario:
     """One fault kind: ``faults`` = emulator settings of the fault phase; ``key`` = the API key the
     actors use; ``strict`` = strict batch validation (some users' emails are refused by the
-    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``outage``,
-    ``long_outage`` or ``quota`` (simulated hours); ``real_clock`` = actors on the system clock (rate limits need real time)."""
+    provider); ``driver`` = ``kills`` (runs until the kill share is reached), ``cancel`` (an operator
+    cancels the scheduled campaign while a batch is in flight), ``rotation`` (the API key rotated while
+    batches are ambiguous), ``outage``, ``long_outage`` or ``quota`` (simulated hours); ``real_clock`` =
+    actors on the system clock (rate limits need real time)."""
 
     name: str
     about: str
@@ -84,6 +86,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              {"reset_after_accept_rate": 0.3, "error_after_rate": 0.2, "reset_mode": "abort"}, driver="rotation"),
     Scenario("outage_longer_than_window", "30 simulated hours of 503s (4 h unreachable): past the idempotency window",
              {}, driver="long_outage", weight=1.5),
+    Scenario("cancel_while_in_flight", "the scheduled campaign cancelled while a batch is in flight, answered "
+             "429 daily_quota_exceeded", {}, driver="cancel", weight=0.7),
     Scenario("skewed_retry_after_date", "429s whose Retry-After is an HTTP-date 1 s ahead by a clock 10 min fast",
              {"rate_limited_rate": 0.3, "retry_after_style": "http-date", "date_skew_seconds": 600}, weight=0.7),
     Scenario("absurd_retry_after", "429s asking for years (100000000, an overflowing number, year 9999) or 1e300",

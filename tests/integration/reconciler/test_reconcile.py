@@ -190,6 +190,8 @@ def test_chaos_short(pg_admin_dsn: str) -> None:
     assert by_name["last_event_suppressed_failed"]["info"]["feedback"]["provider_suppressed"] > 0
     held = by_name["key_rotation_while_ambiguous"]["info"]["held_run"]  # only the new key: nothing resent
     assert held["requests"] == 0 and held["sending_after"] == held["sending_before"]
+    cancel = by_name["cancel_while_in_flight"]["info"]  # a refused batch of a cancelled campaign: cancelled rows
+    assert cancel["cancelled_in_flight"] > 0 and cancel["pending_in_cancelled"] == 0
 
 
 def test_a_row_that_cannot_render_names_the_user_and_keeps_what_was_recorded(rig: Rig) -> None:

@@ -242,13 +242,15 @@ def test_a_rejection_in_the_middle_of_a_permissive_batch(rig: Rig) -> None:
 
 
 def test_every_email_rejected_raises_after_recording(rig: Rig) -> None:
+    # every email of the batch refused for the same rendered field: the template is at fault, not
+    # the recipients, so nobody is charged (released) and the task fails naming the field
     for uid in (1, 2):
         add_user(rig.db, uid, first_name="")
     campaign = dataclasses.replace(simple_campaign("a", 1), subject="{{ user.first_name }}")
-    with pytest.raises(SendError, match=r"^a: every one of 2 emails was rejected by the provider$") as err:
+    with pytest.raises(SendError, match=r"^a: campaign refused: `subject` \(Invalid `subject` field") as err:
         rig.run([campaign])
-    assert [(s.minted, s.failed) for s in err.value.summaries] == [(2, 2)]
-    assert [r["status"] for r in rig.rows()] == ["failed", "failed"]
+    assert [(s.minted, s.failed, s.released) for s in err.value.summaries] == [(2, 0, 2)]
+    assert [(r["status"], r["released_at"] is not None) for r in rig.rows()] == [("failed", True)] * 2
     assert rig.outbox() == []
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
-import jinja2
 import pytest
 from scheduled_rig import (
     ALL_DAY,
@@ -483,8 +482,9 @@ def test_a_missing_template_fails_the_run_and_leaves_rows_pending(rig: Rig) -> N
     cid = provisioned(rig, 2)
     rig.db.execute("update mail.campaign set template = 'no_such_template' where id = %s", (cid,))
 
-    with pytest.raises(jinja2.TemplateNotFound):
+    with pytest.raises(SendError, match="outreach_test: dispatch failed: TemplateNotFound"):
         rig.dispatch()
+    assert rig.campaign_row(cid)["status"] == "paused"  # taken out of the queue, with the reason
 
     rows = rig.rows()
     assert [(r["status"], r["attempts"]) for r in rows] == [("pending", 0), ("pending", 0)]

@@ -126,10 +126,10 @@ SEND_LOG_INDEXES = {
     "send_log_run_idx": "CREATE INDEX send_log_run_idx ON mail.send_log USING btree (run_id, campaign)"
                         " WHERE (run_id IS NOT NULL)",
     "send_log_contact_idx": "CREATE INDEX send_log_contact_idx ON mail.send_log USING btree (user_id, sent_at)"
-                            " INCLUDE (status, scheduled_at, minted_at)"
+                            " INCLUDE (status, scheduled_at, minted_at, campaign)"
                             " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
     "send_log_mailbox_idx": "CREATE INDEX send_log_mailbox_idx ON mail.send_log USING btree (email_key, sent_at)"
-                            " INCLUDE (status, scheduled_at, minted_at, user_id)"
+                            " INCLUDE (status, scheduled_at, minted_at, user_id, campaign)"
                             " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
 }
 

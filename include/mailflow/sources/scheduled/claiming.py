@@ -54,6 +54,8 @@ class DispatchSummary:
     stopped: str | None = None
     completed: list[str] = field(default_factory=list)
     sent_by_campaign: dict[str, int] = field(default_factory=dict)
+    #: campaigns paused by this call because the campaign itself was at fault: name -> reason
+    paused: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -61,6 +63,11 @@ class DispatchSummary:
         out["idle_seconds"] = round(self.idle_seconds, 3)
         out["seconds"] = round(self.seconds, 3)
         return out
+
+
+#: How far ahead a deferral looks for a planned slot (days); the planner's own bound on days
+#: without window time.
+PLAN_HORIZON_DAYS = 800
 
 
 def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
@@ -71,6 +78,11 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     allowed weekday, inside the local windows, on a local day whose emails (planned, in flight or
     sent) are still fewer than ``emails_per_day``; within that day the planner's slots spread from
     ``free_at`` are used in order. Aware UTC datetimes, strictly after ``free_at``.
+
+    A row with no such instant within :data:`PLAN_HORIZON_DAYS` days (every day up to there is full
+    or has no window time) is left out of the result: the caller skips it with a reason. One row
+    that cannot be planned never fails the claim (it would stay at the head of the due queue and
+    fail every later dispatch).
     """
     spec = plan_spec(c)
     first = min(f for _, f in held)
@@ -83,7 +95,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     for rid, free_at in sorted(held, key=lambda h: (h[1], h[0])):
         start = free_at + timedelta(microseconds=1)
         day = plan_day(spec, start)
-        for _ in range(800):  # the planner's own bound on days without window time
+        for _ in range(PLAN_HORIZON_DAYS):  # the planner's own bound on days without window time
             if day.isoweekday() in spec.weekdays and counts.get(day, 0) < spec.emails_per_day:
                 if day not in days:
                     floor = max(start, _local_midnight(day, spec))
@@ -98,7 +110,8 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
             day += timedelta(days=1)
             start = max(start, _local_midnight(day, spec))
         else:
-            raise RuntimeError(f"campaign {c['name']!r}: no planned slot within 800 days after {free_at}")
+            log.warning("campaign %s: row %d has no planned slot within %d days after %s: skipped",
+                        c["name"], rid, PLAN_HORIZON_DAYS, free_at.isoformat())
     return out
 
 
@@ -136,6 +149,7 @@ class _Dispatcher:
         self.campaign_rows: dict[str, dict[str, Any]] = {}
         self.policy: ContactPolicy = policy if policy is not None else load_policy()
         self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
+        self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -170,12 +184,16 @@ class _Dispatcher:
         (the user's contacts and every other user's at the same mailbox); a held row is deferred to
         the first planned slot after the window (``on_policy = 'defer'``), or ``skipped`` with the
         reason, or sent anyway (``ignore``).
-        Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``."""
+        Returns ``(rows cancelled as suppressed, the claim or None if nothing was due)``. If it
+        raises after picking, the transaction is rolled back and ``self.claiming`` names the
+        campaign whose rows were picked (the dispatcher pauses it and goes on)."""
+        self.claiming = None
         with self.conn.transaction():
             suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
             picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
             if not picked:
                 return suppressed, None
+            self.claiming = str(picked[0][4])  # the campaign at fault if what follows raises
             crow = self._campaign_row(str(picked[0][4]))
             decided = self._guard(crow, picked)
             if decided:
@@ -287,7 +305,11 @@ class _Dispatcher:
         if held:
             times = _deferred_times(self.conn, c, [(rid, h.free_at) for rid, h in held])
             for rid, hold in held:
-                out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
+                if rid in times:
+                    out[rid] = ("pending", f"{hold.reason()}; deferred to {times[rid].isoformat()}", times[rid])
+                else:  # the plan has no slot for it: skipped with the reason, the queue goes on
+                    out[rid] = ("skipped", f"{hold.reason()}; no planned slot within {PLAN_HORIZON_DAYS} days "
+                                           "after that (every plan day full or without window time): skipped", None)
         return out
 
     def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary,

@@ -47,8 +47,11 @@ def _transition(conn: psycopg.Connection, campaign_id: int, allowed: Sequence[st
 def cancel(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = None,
            run: RunContext | None = None) -> dict[str, Any]:
     """Cancel a campaign: status -> ``cancelled`` and every ``pending`` row -> ``cancelled`` (with an
-    event each), in one transaction. Rows already ``sending`` finish as they are; terminal rows are
-    untouched. Cancelling a cancelled campaign changes nothing.
+    event each), in one transaction. Rows already ``sending`` finish as they are: accepted ones are
+    ``sent``; one proven not processed becomes ``cancelled`` (never ``pending`` again: the release
+    sees the campaign's status, see ``send_log.release``); an ambiguous one keeps its key for the
+    reconciler. Terminal rows are untouched. Idempotent: cancelling a cancelled campaign again
+    changes its status nothing and cancels any ``pending`` row found there (a straggler).
 
     :returns: ``{"campaign", "status", "changed", "rows_cancelled"}``.
     :raises CampaignStateError: if the campaign is completed.
@@ -73,6 +76,27 @@ def pause(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = Non
     with conn.transaction():
         c, changed = _transition(conn, campaign_id, ("draft", "scheduled"), "paused", actor)
     return {"campaign": c["name"], "status": "paused", "changed": changed}
+
+
+def hold(conn: psycopg.Connection, name: str, reason: str, *, actor: str | None = None) -> bool:
+    """Pause the ``scheduled`` campaign ``name`` because the campaign itself is at fault (the
+    provider refused one of its fields, or its dispatch raised): the dispatcher stops claiming its
+    rows, the others go on; ``reason`` is recorded on the campaign event (``detail.reason``) for the
+    person who fixes it and resumes (:func:`resume`). Its own transaction.
+
+    :returns: True if the campaign was paused now; False if it is not ``scheduled`` (already
+        paused, cancelled, completed) or does not exist.
+    """
+    with conn.transaction():
+        row = conn.execute(query("scheduled", "campaign_id_by_name"), {"name": name}).fetchone()
+        if row is None:
+            return False
+        c = _lock(conn, int(row[0]))
+        if c["status"] != "scheduled":
+            return False
+        _transition(conn, int(row[0]), ("scheduled",), "paused", actor, reason=reason[:1000])
+    log.error("campaign %s paused: %s", name, reason)
+    return True
 
 
 def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None = None,
@@ -126,11 +150,14 @@ def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor:
 
 def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     """A campaign's settings, checkpoint and rows by state, the next due time and the send
-    lateness (``sent_at - scheduled_at``) p50/p99 in seconds. Datetimes as ISO text."""
+    lateness (``sent_at - scheduled_at``) p50/p99 in seconds, and for a paused campaign
+    ``paused_reason`` (why the dispatcher paused it, or None). Datetimes as ISO text."""
     with conn.transaction():
         c = _one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         counts = _one(conn, query("scheduled", "campaign_counts"), {"campaign": c["name"]}) or {}
-    out = {**c, "rows": counts}
+        reason = conn.execute(query("scheduled", "pause_reason"), {"id": campaign_id}).fetchone() \
+            if c["status"] == "paused" else None
+    out = {**c, "rows": counts, "paused_reason": reason[0] if reason else None}
     return json.loads(json.dumps(out, default=_json_default))

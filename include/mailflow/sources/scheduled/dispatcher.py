@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
+from mailflow.sendloop.apply_by_index import campaign_field
 from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import (
     MAX_BATCH,
@@ -20,11 +21,11 @@ from mailflow.sendloop.engine import (
     release_unsent,
     reserve_slot,
 )
-from mailflow.sendloop.outcome import NotSent, Refused, RunContext, SendError, Unknown
+from mailflow.sendloop.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _actor
 from mailflow.sources.scheduled.claiming import DispatchSummary, _Claim, _Dispatcher
-from mailflow.sources.scheduled.control import complete
+from mailflow.sources.scheduled.control import complete, hold
 from mailflow.store.policy import ContactPolicy
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,13 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     ``pending`` without charging them and stops the run; rows of an ambiguous request keep their
     key and bytes for the reconciler). Campaigns left with nothing to send are completed at the end.
 
+    One campaign never stops the others: a claim that raises for one campaign (e.g. its template
+    is missing) is rolled back, and a batch the provider refuses for a field of the campaign
+    (``from``, ``reply_to``, headers, the rendered subject or body: :func:`campaign_field`) charges
+    nobody (its rows go back to ``pending``); either way that campaign is paused with the reason
+    (``summary.paused``, a campaign event), the run goes on with the other campaigns, and the task
+    fails at the end (``SendError``), which alerts.
+
     :param conn: psycopg 3 connection to the send log (each step is its own transaction).
     :param provider: ``send_batch(batch, deadline) -> Outcome`` (a ResendClient), on ``clock``'s
         monotonic timeline; a claimed batch may run ``send_grace_seconds`` past the budget.
@@ -71,7 +79,8 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     :raises SendError: after recording everything, if the provider refused the key, an
         idempotency conflict needs a person, or an email could not be rendered (a recipient's
         snapshot lacks a template variable: that row is marked ``failed``, the others are sent),
-        or the provider failed whole requests or the breaker was open (the run could not send).
+        the provider failed whole requests or the breaker was open (the run could not send), or a
+        campaign was paused for its own fault (see above).
     :raises ValueError: for a batch size outside 1-100.
     """
     if not 1 <= batch_size <= MAX_BATCH:
@@ -87,6 +96,23 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     slot: float | None = None
     pipe = ChunkPipeline(d.store, provider, run, enabled=pipelined)
     breaker = breaker or CircuitBreaker.for_run(conn, provider, run)
+    actor = _actor(run, "dispatcher")
+
+    def pause_campaign(name: str, reason: str) -> None:
+        """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""
+        fatal.append(f"{name}: {reason}")
+        summary.paused.setdefault(name, reason)
+        hold(conn, name, reason, actor=actor)
+
+    def campaign_fault(outcome: Outcome) -> str | None:
+        """The reason to pause the batch's campaign, if the provider refused a field of the campaign."""
+        if isinstance(outcome, Accepted) and outcome.campaign_field:
+            return f"provider refused the campaign's `{outcome.campaign_field}`: {outcome.stop_run}"
+        if isinstance(outcome, NotSent) and outcome.stop_run == "request refused":
+            name = campaign_field(outcome.reason)
+            if name is not None:
+                return f"provider refused the campaign's `{name}`: {outcome.reason}"
+        return None
 
     def drain() -> str | None:
         """Collect the batch in flight (if any); the reason the run stops, if its answer says so."""
@@ -98,6 +124,11 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         assert isinstance(claim, _Claim)
         d.count(claim, outcome, applied, batch, summary)
         breaker.record(outcome)  # a whole-request failure opens it for every sender
+        fault = campaign_fault(outcome)
+        if fault is not None:
+            # nobody was charged (the rows went back to pending); this campaign stops, not the run
+            pause_campaign(claim.campaign.name, fault)
+            return None
         if isinstance(outcome, NotSent | Unknown | Refused):
             if outcome.fatal:
                 fatal.append(f"{claim.campaign.name}: {outcome.reason}")
@@ -138,7 +169,16 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
             if breaker.admit(provider, deadline, clock) is not None:
                 summary.stopped = CIRCUIT_OPEN  # nothing claimed: nobody is charged
                 break
-            suppressed, claim = d.claim()
+            try:
+                suppressed, claim = d.claim()
+            except psycopg.OperationalError:
+                raise  # the database itself: not one campaign's fault
+            except Exception as exc:  # rolled back: the campaign's rows stay pending
+                if d.claiming is None or d.claiming in summary.paused:
+                    raise  # not one campaign's, or pausing it did not take it out of the queue
+                log.exception("dispatch of campaign %s failed; pausing it, the others go on", d.claiming)
+                pause_campaign(d.claiming, f"dispatch failed: {type(exc).__name__}: {exc}")
+                continue
             summary.suppressed += suppressed
             if claim is None:
                 if pipe.busy:
@@ -171,6 +211,10 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                 summary.released += release_unsent(d.store, chunk, f"the run stopped ({stop})", run).released
                 summary.stopped = stop
                 break
+            if claim.campaign.name in summary.paused:  # the batch before paused its campaign
+                summary.released += release_unsent(
+                    d.store, chunk, f"campaign paused ({summary.paused[claim.campaign.name]})", run).released
+                continue
             pipe.submit(chunk, slot)
             slot = None
             if not pipe.pipelined:  # unpipelined: the answer is applied before the next claim

@@ -39,4 +39,4 @@ create unique index concurrently if not exists suppression_email_key_scope_uq
     on mail.suppression (email_key, scope) where email_key is not null;
 drop index concurrently if exists mail.suppression_email_scope_uq;
 create index concurrently if not exists send_log_mailbox_idx on mail.send_log (email_key, sent_at)
-    include (status, scheduled_at, minted_at, user_id) where status in ('pending', 'sending', 'sent');
+    include (status, scheduled_at, minted_at, user_id, campaign) where status in ('pending', 'sending', 'sent');

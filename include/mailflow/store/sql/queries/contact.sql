@@ -17,7 +17,10 @@ select user_id from mail.contact where user_id = any(%(ids)s::bigint[]) order by
 -- Every contact of these users that can matter (docs/model.md, "The contact policy"): sent since
 -- `since`, in flight ('sending', at = null = now), and with include_planned (lifecycle mail) planned
 -- ('pending') before `until`, at its planned time or now if that passed (an overdue planned email
--- goes out as soon as it is dispatched). Excludes the rows being claimed (`except_ids`).
+-- goes out as soon as it is dispatched), unless its campaign is paused, cancelled or completed: such
+-- a campaign sends nothing, so its pending rows are nobody's contact (a paused one's are re-checked
+-- under this guard when they are claimed after a resume). Excludes the rows being claimed
+-- (`except_ids`).
 select c.user_id, c.id, c.campaign, c.status,
        case when c.status = 'sent' then c.sent_at
             when c.status = 'pending' then greatest(coalesce(c.scheduled_at, c.minted_at), now()) end as at
@@ -26,7 +29,8 @@ where c.user_id = any(%(ids)s::bigint[])
   and c.id <> all(%(except_ids)s::bigint[])
   and ((c.status = 'sent' and c.sent_at >= %(since)s)
        or c.status = 'sending'
-       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s))
+       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s
+           and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed'))))
 order by c.user_id, c.id
 
 -- name: suppressed_addresses
@@ -72,13 +76,14 @@ where c.email_key = any(%(keys)s::text[])
   and c.id <> all(%(except_ids)s::bigint[])
   and ((c.status = 'sent' and c.sent_at >= %(since)s)
        or c.status = 'sending'
-       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s))
+       or (%(include_planned)s and c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at) < %(until)s
+           and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed'))))
 order by c.email_key, c.id
 
 -- name: mailbox_contact_times
 -- contact_times for mailboxes (the lifecycle mint): (email_key, user_id, 0, '', status, at), an
 -- index-only scan of send_log_mailbox_idx (email_key, sent_at) INCLUDE (status, scheduled_at,
--- minted_at, user_id); the same bounds as contact_times.
+-- minted_at, user_id, campaign); the same bounds as contact_times.
 select c.email_key, c.user_id, 0::bigint as id, ''::text as campaign, c.status,
        case when c.status = 'sent' then c.sent_at
             when c.status = 'pending' then greatest(coalesce(c.scheduled_at, c.minted_at), now()) end as at
@@ -88,7 +93,8 @@ where c.email_key = any(%(keys)s::text[])
   and ((c.status = 'sent' and c.sent_at >= least(%(ref)s::timestamptz, now()) - %(widest)s::interval)
        or c.status = 'sending'
        or (%(include_planned)s and c.status = 'pending'
-           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval))
+           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval
+           and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed'))))
 order by c.email_key
 
 -- name: db_now
@@ -98,7 +104,7 @@ select now()
 -- name: contact_times
 -- The lifecycle mint's form of contacts_of: the same rows, but only (user_id, status, at), so it is
 -- an index-only scan of send_log_contact_idx (user_id, sent_at) INCLUDE (status, scheduled_at,
--- minted_at): the filter is evaluated on the index tuples and no heap page is read for the nine tenths of
+-- minted_at, campaign): the filter is evaluated on the index tuples and no heap page is read for the nine tenths of
 -- a user's history outside the window (contacts_of, which also returns id and campaign for the
 -- scheduled path's hold reasons, fetched ~9 heap pages per user: 20 ms a chunk at 5M rows). The
 -- lifecycle mint needs no reason: a held user gets no row. id 0 and campaign '' fill the shape.
@@ -113,5 +119,6 @@ where c.user_id = any(%(ids)s::bigint[])
   and ((c.status = 'sent' and c.sent_at >= least(%(ref)s::timestamptz, now()) - %(widest)s::interval)
        or c.status = 'sending'
        or (%(include_planned)s and c.status = 'pending'
-           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval))
+           and coalesce(c.scheduled_at, c.minted_at) < now() + %(widest)s::interval
+           and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed'))))
 order by c.user_id

@@ -46,15 +46,18 @@ where not exists (select 1 from mail.send_log d
 -- interval end - cooldown (no upper bound, so a backfill also sees what was sent after its
 -- interval), in flight ('sending'), or planned ('pending') before cooldown_until = greatest(interval
 -- end, now()) + cooldown: measured from the ACTUAL send time (now), so a backfill never sends inside
--- a planned email's cooldown. Two anti-joins over the users' contacts (send_log_contact_idx; 0011
--- dropped the send_log_sent_idx these once read as one range), then the caps.
+-- a planned email's cooldown; a planned email of a paused, cancelled or completed campaign does not
+-- count (see contact.contacts_of; 0017 put the campaign into the contact index for it). Two
+-- anti-joins over the users' contacts (send_log_contact_idx; 0011 dropped the send_log_sent_idx
+-- these once read as one range), then the caps.
 and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id and c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
   and not exists (select 1 from mail.send_log c
                   where c.user_id = a.user_id and c.status in ('pending', 'sending')
                     and (c.status = 'sending'
-                         or coalesce(c.scheduled_at, c.minted_at)
-                            < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval)))
+                         or (coalesce(c.scheduled_at, c.minted_at)
+                             < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval)
+                             and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed')))))
   {caps}
 
 -- name: eligible_cap
@@ -71,7 +74,8 @@ and not exists (
               select c.user_id from mail.send_log c
               where c.status in ('pending', 'sending')
                 and (c.status = 'sending'
-                     or coalesce(c.scheduled_at, c.minted_at) < greatest({until}::timestamptz, now() + {window}::interval))
+                     or (coalesce(c.scheduled_at, c.minted_at) < greatest({until}::timestamptz, now() + {window}::interval)
+                         and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed'))))
           ) as x
           group by x.user_id
           having count(*) >= {emails}
@@ -116,7 +120,8 @@ left join lateral (
     having bool_or(c.status = 'sending')
         or bool_or(c.status = 'sent' and c.sent_at >= %(cooldown_since)s)
         or bool_or(c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)
-                                             < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval))
+                                             < greatest(%(cooldown_until)s::timestamptz, now() + %(cooldown)s::interval)
+                   and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed')))
         {caps}
 ) as p on true
 
@@ -124,7 +129,8 @@ left join lateral (
 -- One frequency cap of snapshot_policy (N contacts within the cap's window, as lifecycle.eligible_cap).
 or count(*) filter (where (c.status = 'sent' and c.sent_at >= {since}) or c.status = 'sending'
                             or (c.status = 'pending' and coalesce(c.scheduled_at, c.minted_at)
-                                < greatest({until}::timestamptz, now() + {window}::interval))) >= {emails}
+                                < greatest({until}::timestamptz, now() + {window}::interval)
+                                and c.campaign not in (select k.name from mail.campaign k where k.status in ('paused', 'cancelled', 'completed')))) >= {emails}
 
 -- name: snapshot_key
 -- The snapshot's key, built once after the fill (a sort of the survivors; cheaper than checking

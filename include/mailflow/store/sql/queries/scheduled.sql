@@ -307,3 +307,11 @@ select count(*) filter (where status = 'pending') as pending,
            filter (where status = 'sent') as lateness_p99_s
 from mail.send_log
 where campaign = %(campaign)s and kind = 'scheduled'
+
+-- name: pause_reason
+-- Why a campaign was last paused, if the pause carried a reason (the dispatcher pauses a campaign
+-- that is itself at fault: a refused field, a claim that raised).
+select detail->>'reason' from mail.campaign_event
+where campaign_id = %(id)s and to_status = 'paused'
+order by id desc
+limit 1

@@ -59,19 +59,36 @@ returning send_log_id
 -- and with the claim's attempt given back (no request of theirs was processed).
 -- A row that was ever part of an ambiguous request is never released (ambiguous_at guard): it
 -- keeps its key and bytes until a 2xx answers that key, or it becomes a dead letter.
-with changed as (
+-- A scheduled row of a campaign that is no longer active (cancelled or completed while the batch
+-- was in flight) becomes 'cancelled' with the reason instead: a pending row there would never be
+-- picked up and would count as a planned contact. The campaign rows are locked FOR SHARE, so a
+-- cancel in progress is waited for and its committed status is the one read here (a locking read
+-- returns the latest version of the row); a cancel that comes later finds the row pending.
+with camp as materialized (
+    select k.name, k.status
+    from mail.campaign k
+    where k.name in (select d.campaign from mail.send_log d
+                     where d.id = any(%(ids)s::bigint[]) and d.kind = 'scheduled')
+    for share of k
+), inactive as (
+    select name, status from camp where status in ('cancelled', 'completed')
+), changed as (
     update mail.send_log l
-    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
+    set status = case when l.kind = 'scheduled' and l.campaign in (select name from inactive) then 'cancelled'
+                      when l.kind = 'scheduled' then 'pending' else 'failed' end,
         released_at = case when l.kind = 'lifecycle' then now() end,
         attempts = case when l.kind = 'scheduled' then greatest(l.attempts - 1, 0) else l.attempts end,
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
         batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
-        error = %(reason)s
+        error = case when l.kind = 'scheduled' and l.campaign in (select name from inactive)
+                     then %(reason)s || ' (campaign ' || (select i.status from inactive i where i.name = l.campaign)
+                          || ': not returned to pending)'
+                     else %(reason)s end
     where l.id = any(%(ids)s::bigint[]) and l.status = 'sending' and l.ambiguous_at is null
-    returning l.id, l.attempts, l.status
+    returning l.id, l.attempts, l.status, l.error
 )
 insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
-select id, 'sending', status, attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(task_id)s from changed
+select id, 'sending', status, attempts, error, %(dag_id)s, %(run_id)s, %(task_id)s from changed
 returning send_log_id
 
 -- name: note_unknown
@@ -89,3 +106,47 @@ with changed as (
 insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
 select id, 'sending', 'sending', attempts, %(reason)s, %(dag_id)s, %(run_id)s, %(task_id)s from changed
 returning send_log_id
+
+-- name: refused_candidates
+-- Rows of one campaign that failed for good (a per-recipient rejection, not released, not a dead
+-- letter): the candidates `mailflow reopen-refused` classifies by the field their error names.
+select id, kind, error, ambiguous_at is not null as ambiguous
+from mail.send_log
+where campaign = %(campaign)s and status = 'failed' and released_at is null and dead_lettered_at is null
+  and error is not null
+order by id
+
+-- name: reopen_refused
+-- Re-open rows the provider refused for a field of the CAMPAIGN (its `from`, headers, ...), which
+-- charged users for the campaign's mistake: lifecycle rows are released (released_at: they leave
+-- the unique key, the next run decides again), scheduled rows go back to 'pending' without their
+-- key and with the attempt given back (as a release does). The old error stays in the row's
+-- history (this event's error names it). A row that was part of an ambiguous request keeps what
+-- it has (its key was answered; a CHECK forbids releasing it). Guarded on the state.
+with changed as (
+    update mail.send_log l
+    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
+        released_at = case when l.kind = 'lifecycle' then now() end,
+        attempts = case when l.kind = 'scheduled' then greatest(l.attempts - 1, 0) else l.attempts end,
+        idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
+        batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
+        error = %(reason)s || ' (was: ' || coalesce(l.error, '') || ')'
+    where l.id = any(%(ids)s::bigint[]) and l.status = 'failed' and l.released_at is null
+      and l.dead_lettered_at is null and l.ambiguous_at is null
+    returning l.id, l.attempts, l.status, l.error
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, task_id)
+select id, 'failed', status, attempts, error, 'reopen-refused' from changed
+returning send_log_id
+
+-- name: reopen_campaign
+-- A completed scheduled campaign whose rows were re-opened becomes 'paused' (with an event): the
+-- person fixes the field and resumes it. Other states are left as they are.
+with c as (
+    update mail.campaign set status = 'paused', updated_at = now()
+    where name = %(campaign)s and status = 'completed'
+    returning id
+)
+insert into mail.campaign_event (campaign_id, from_status, to_status, detail, actor)
+select id, 'completed', 'paused', %(detail)s, 'reopen-refused' from c
+returning campaign_id
