@@ -80,16 +80,18 @@ def _renderer() -> Renderer:
     return Renderer(signer_from_secret("chaos-secret-0123456789"), "https://mail.example.com", "https://app.example.com")
 
 
-class _SlowConnection:
+class SlowConnection:
     """A psycopg connection whose every statement answers 0-0.5 s late (random, split between the
-    way to the server and the way back): a pacer database under load."""
+    way to the server and the way back): a pacer database under load. ``rng`` draws the delays
+    (default: the ``random`` module's)."""
 
-    def __init__(self, conn: psycopg.Connection):
+    def __init__(self, conn: psycopg.Connection, rng: random.Random | None = None):
         object.__setattr__(self, "_conn", conn)
+        object.__setattr__(self, "_rng", rng or random.Random())
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
-        delay = random.uniform(0.0, 0.5)
-        before = delay * random.random()
+        delay = self._rng.uniform(0.0, 0.5)
+        before = delay * self._rng.random()
         time.sleep(before)
         cur = self._conn.execute(*args, **kwargs)
         time.sleep(delay - before)
@@ -104,7 +106,7 @@ class _SlowConnection:
 
 def _pacer_connect(spec: ActorSpec) -> Callable[[], psycopg.Connection]:
     if spec.slow_pacer:
-        return lambda: cast(psycopg.Connection, _SlowConnection(psycopg.connect(spec.dsn)))
+        return lambda: cast(psycopg.Connection, SlowConnection(psycopg.connect(spec.dsn)))
     return lambda: psycopg.connect(spec.dsn)
 
 

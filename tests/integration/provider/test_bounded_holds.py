@@ -12,7 +12,6 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psycopg
@@ -22,6 +21,7 @@ from mailflow.emulator.testing import DEFAULT_API_KEY, EmulatorProcess
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.sendloop.outcome import Accepted, NotSent, PreparedBatch
+from mailflow_dev.chaos.actors import SlowConnection
 from mailflow_dev.loadgen import max_in_window
 
 CAP = 10  # requests/s: the emulator's team limit (sliding 1 s window)
@@ -112,29 +112,6 @@ def test_absurd_retry_after_stops_the_run_with_an_alert_and_other_senders_wait_o
 
 
 # -- item: a slow pacer database lets 11 requests start in one second -----------------------------
-
-class SlowConnection:
-    """A psycopg connection whose every statement answers 0-0.5 s late (random), the delay split at
-    random between the way to the server and the way back."""
-
-    def __init__(self, conn: psycopg.Connection, rng: random.Random):
-        object.__setattr__(self, "_conn", conn)
-        object.__setattr__(self, "_rng", rng)
-
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
-        delay = self._rng.uniform(0.0, 0.5)
-        before = delay * self._rng.random()
-        time.sleep(before)
-        cur = self._conn.execute(*args, **kwargs)
-        time.sleep(delay - before)
-        return cur
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._conn, name, value)
-
 
 class _Timed(httpx.HTTPTransport):
     def __init__(self, sink: list[float]):
