@@ -72,9 +72,32 @@ order by l.dead_lettered_at, l.id
 -- without their key or ambiguity, keeping their place in the plan. Either way the row is no longer
 -- a dead letter (dead_lettered_at cleared; the event of its dead-lettering stays). The decision and
 -- who took it are stored on the row and appended as an event with the old key; nothing is deleted.
-with changed as (
+-- A scheduled row is only re-opened where something dispatches it: its campaign is locked (a cancel
+-- in progress is waited for and seen); a completed campaign goes back to 'scheduled' (with an event)
+-- so the dispatcher claims the row and completes it again afterwards; in a cancelled campaign the
+-- row becomes 'cancelled' (a pending row there would never be picked up).
+with camp as materialized (
+    select k.id, k.name, k.status
+    from mail.campaign k
+    where k.name in (select d.campaign from mail.send_log d
+                     where d.id = any(%(ids)s::bigint[]) and d.kind = 'scheduled'
+                       and d.dead_lettered_at is not null and d.status = 'failed')
+    for update of k
+), rescheduled as (
+    update mail.campaign k set status = 'scheduled', updated_at = now()
+    where k.id in (select id from camp where status = 'completed')
+    returning k.id
+), rescheduled_event as (
+    insert into mail.campaign_event (campaign_id, from_status, to_status, detail, actor)
+    select id, 'completed', 'scheduled',
+           jsonb_build_object('reason', 'dead letters re-opened for a resend by ' || %(who)s || ': ' || %(why)s),
+           'mailflow dead-letters resend'
+    from rescheduled
+), changed as (
     update mail.send_log l
-    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
+    set status = case when l.kind = 'scheduled'
+                           and l.campaign in (select name from camp where status = 'cancelled') then 'cancelled'
+                      when l.kind = 'scheduled' then 'pending' else 'failed' end,
         released_at = case when l.kind = 'lifecycle' then now() end,
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
         batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
@@ -83,6 +106,8 @@ with changed as (
         dead_letter_decision = 'resend', dead_letter_decided_at = now(), dead_letter_decided_by = %(who)s,
         error = 'dead letter re-opened for a resend under a new key by ' || %(who)s || ': ' || %(why)s
                 || ' (was ' || coalesce(l.idempotency_key, 'no key') || ')'
+                || case when l.kind = 'scheduled' and l.campaign in (select name from camp where status = 'cancelled')
+                        then ' (campaign cancelled: not returned to pending)' else '' end
     where l.id = any(%(ids)s::bigint[]) and l.dead_lettered_at is not null and l.status = 'failed'
       and (l.dead_letter_decided_at is null or l.dead_letter_decided_at < l.dead_lettered_at)
     returning l.id, l.attempts, l.status, l.error
