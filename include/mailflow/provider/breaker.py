@@ -19,8 +19,9 @@ leaves at most the batches that were in flight when it began.
 
 The probe: the reconciler's same-key resend of the oldest ambiguous batch when there is one (it
 mints nothing and may resolve rows), else ``GET /domains`` (:func:`probe`): an authenticated read
-that mints nothing. A sending-only key answers 401 ``restricted_api_key``, which is still an
-answer. A sender never probes with a new batch: that is what turned an outage into dead letters.
+that mints nothing. A sending-only key answers every read 401 ``restricted_api_key``, outage or
+not, so a 401/403 to the read is followed by ``POST /emails/batch`` with an empty array (refused by
+validation: it can send nothing), whose answer is the verdict. A sender never probes with a new batch: that is what turned an outage into dead letters.
 """
 
 from __future__ import annotations
@@ -96,22 +97,47 @@ def probe(provider: Any, deadline: float, clock: Clock) -> str | None:
     get = getattr(provider, "get", None)
     if get is None:
         return None
-    reserve = getattr(provider, "reserve_slot", None)
-    if reserve is not None:
-        slot = reserve(deadline)
-        if slot is None:
-            return PROBE_NO_SLOT
-        clock.sleep(max(slot - clock.monotonic(), 0.0))
+    if not _wait_for_slot(provider, deadline, clock):
+        return PROBE_NO_SLOT
     try:
         get("/domains")
     except httpx.HTTPStatusError as exc:
         status = exc.response.status_code
-        return f"probe GET /domains: HTTP {status}" if status >= 500 else None
+        if status >= 500:
+            return f"probe GET /domains: HTTP {status}"
+        if status in (401, 403) and getattr(provider, "probe_send", None) is not None:
+            # a key that may not read (a sending-only key: 401 restricted_api_key, outage or not)
+            # says nothing about the sending path: ask that path with a request that sends nothing
+            return _probe_send(provider, deadline, clock)
+        return None
     except httpx.HTTPError as exc:
         return f"probe GET /domains: {type(exc).__name__}: {exc or 'no response'}"
     except ValueError:
         return None  # an answer whose body is not JSON is still an answer
     return None
+
+
+def _wait_for_slot(provider: Any, deadline: float, clock: Clock) -> bool:
+    """Wait for the next request slot of the shared schedule (False if it starts after ``deadline``)."""
+    reserve = getattr(provider, "reserve_slot", None)
+    if reserve is not None:
+        slot = reserve(deadline)
+        if slot is None:
+            return False
+        clock.sleep(max(slot - clock.monotonic(), 0.0))
+    return True
+
+
+def _probe_send(provider: Any, deadline: float, clock: Clock) -> str | None:
+    """The sending path's answer to an empty batch (``ResendClient.probe_send``: refused by
+    validation, it can send nothing): None for any answer below 500, else the failure."""
+    if not _wait_for_slot(provider, deadline, clock):
+        return PROBE_NO_SLOT
+    try:
+        status = provider.probe_send()
+    except httpx.HTTPError as exc:
+        return f"probe POST /emails/batch []: {type(exc).__name__}: {exc or 'no response'}"
+    return f"probe POST /emails/batch []: HTTP {status}" if status >= 500 else None
 
 
 @dataclass(frozen=True)

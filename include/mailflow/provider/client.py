@@ -197,6 +197,16 @@ class ResendClient:
         resp.raise_for_status()
         return resp.json()
 
+    def probe_send(self) -> int:
+        """POST ``/emails/batch`` with an empty array and no Idempotency-Key: a request to the
+        sending path that can send nothing (a batch holds 1-100 emails, so the provider refuses it
+        with a validation error). The circuit breaker's probe for a key that may not read (a
+        sending-only key answers every read 401 ``restricted_api_key``, outage or not). Returns the
+        status; raises httpx.HTTPError for a transport failure."""
+        resp = self.http.post("/emails/batch", content=b"[]",
+                              headers={"Content-Type": "application/json", "x-batch-validation": "strict"})
+        return resp.status_code
+
     # -- the batch send ------------------------------------------------------------------------
     def late_tolerance(self) -> float:
         """Seconds a reserved slot may have passed and still be used: half the slack that pacing at

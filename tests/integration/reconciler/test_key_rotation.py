@@ -68,8 +68,9 @@ def test_key_rotation_never_duplicates_an_ambiguous_batch(rig: Rig, caplog, caps
     assert [(h["key"], h["campaign"], h["key_identity"], h["rows"]) for h in held.held] == [
         (key, "c1", old.key_identity, 5)]
     assert held.as_dict()["held"] == 1
-    # nothing was sent: the one request is the breaker's probe (GET /domains, the lost answer opened it)
-    assert rig.emulator.stats()["requests"] == requests_before + 1
+    # nothing was sent: the two requests are the breaker's probe (GET /domains, the lost answer opened
+    # it; refused 401 to the sending-only key, so an empty batch asks the sending path)
+    assert rig.emulator.stats()["requests"] == requests_before + 2
     assert len(rig.outbox()) == 5  # 0 duplicate deliveries
     rows = rig.rows()
     assert {r["status"] for r in rows} == {"sending"} and {r["idempotency_key"] for r in rows} == {key}
@@ -117,8 +118,9 @@ def test_a_batch_held_for_its_key_is_dead_lettered_past_the_window(rig: Rig) -> 
     requests_before = rig.emulator.stats()["requests"]
     s = reconcile(rig.store().conn, new, now=db_now(rig), run=REPAIR)
     assert (s.unknown_outcome_failed, s.batches_resent, s.held) == (2, 0, [])
-    # nothing resent: the one request is the breaker's probe (GET /domains)
-    assert rig.emulator.stats()["requests"] == requests_before + 1 and len(rig.outbox()) == 2
+    # nothing resent: the two requests are the breaker's probe (GET /domains, 401 to the sending-only
+    # key, then an empty batch to the sending path)
+    assert rig.emulator.stats()["requests"] == requests_before + 2 and len(rig.outbox()) == 2
     assert all(r["status"] == "failed" and r["dead_lettered_at"] is not None for r in rig.rows())
 
 
