@@ -50,3 +50,17 @@ def test_resend_decision_in_a_cancelled_campaign_is_not_left_pending(rig: Rig) -
     decide_dead_letters(rig.db, "resend", dead, "ops@example.com", "outage processed nothing")
     rows = {r["id"]: r for r in rig.rows()}
     assert [rows[i]["status"] for i in dead] == ["cancelled", "cancelled"]
+
+
+def test_reopen_refused_in_a_cancelled_campaign_does_not_leave_rows_pending(rig: Rig) -> None:
+    from mailflow.store.send_log import reopen_refused
+
+    cid = provisioned(rig, 2, name="cancelled_bad_from")
+    ids = [r["id"] for r in rig.rows()]
+    rig.db.execute("update mail.send_log set status = 'failed', attempts = 1, claimed_at = now(),"
+                   " error = 'Invalid `from` field. The email address needs to follow the `email@example.com`'"
+                   " where id = any(%s)", (ids,))
+    cancel(rig.db, cid, actor="ops")
+    done = reopen_refused(rig.db, "cancelled_bad_from", "from", apply=True)
+    assert done.reopened == 2
+    assert [r["status"] for r in rig.rows()] == ["cancelled", "cancelled"]

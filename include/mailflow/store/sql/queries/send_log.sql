@@ -123,9 +123,19 @@ order by id
 -- key and with the attempt given back (as a release does). The old error stays in the row's
 -- history (this event's error names it). A row that was part of an ambiguous request keeps what
 -- it has (its key was answered; a CHECK forbids releasing it). Guarded on the state.
-with changed as (
+-- A scheduled row of a cancelled campaign becomes 'cancelled' (un-charged too), never 'pending'
+-- there: nothing would pick it up (the campaign row is locked, so a cancel in progress is seen).
+with camp as materialized (
+    select k.name, k.status
+    from mail.campaign k
+    where k.name in (select d.campaign from mail.send_log d
+                     where d.id = any(%(ids)s::bigint[]) and d.kind = 'scheduled')
+    for share of k
+), changed as (
     update mail.send_log l
-    set status = case when l.kind = 'scheduled' then 'pending' else 'failed' end,
+    set status = case when l.kind = 'scheduled'
+                           and l.campaign in (select name from camp where status = 'cancelled') then 'cancelled'
+                      when l.kind = 'scheduled' then 'pending' else 'failed' end,
         released_at = case when l.kind = 'lifecycle' then now() end,
         attempts = case when l.kind = 'scheduled' then greatest(l.attempts - 1, 0) else l.attempts end,
         idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
