@@ -454,11 +454,11 @@ class PostgresStore:
                 returned = 0
                 if outcome.withheld:
                     # refused for a field of the campaign (its sender, headers, rendered subject):
-                    # not the recipient's fault, so released uncharged like a NotSent; a row that
-                    # was part of an ambiguous request cannot be released (it keeps the key's
-                    # answer) and fails with the message (re-opened with the documented command)
+                    # not the recipient's fault, so released uncharged like a NotSent; this 2xx
+                    # answers the key, so a row of an ambiguous request (the reconciler's resend)
+                    # is resolved and released too, never failed for the campaign's mistake
                     reason = f"campaign refused by the provider: {outcome.stop_run or ''}"[:1000]
-                    done = {r[0] for r in self.conn.execute(query("send_log", "release"), who | {
+                    done = {r[0] for r in self.conn.execute(query("send_log", "release_withheld"), who | {
                         "ids": [ids[i] for i in sorted(outcome.withheld)], "reason": reason}).fetchall()}
                     returned = len(done)
                     rejected |= {i: m for i, m in outcome.withheld.items() if ids[i] not in done}

@@ -91,6 +91,45 @@ insert into mail.send_event (send_log_id, from_status, to_status, attempt, error
 select id, 'sending', status, attempts, error, %(dag_id)s, %(run_id)s, %(task_id)s from changed
 returning send_log_id
 
+-- name: release_withheld
+-- `release` for the emails a 2xx answer refused, by index, for a field of the CAMPAIGN (its `from`,
+-- headers, ...: Accepted.withheld): not the recipient's fault, so nobody is charged. Unlike a
+-- whole-request failure this is an answer TO THEIR KEY that says, email by email, that these were
+-- not sent (the same proof that fails a row by index), so it resolves a row that was part of an
+-- ambiguous request too (the reconciler's same-key resend of a stale batch): its ambiguity ends
+-- (ambiguous_at cleared; its events keep the history) and it is released like the others, never
+-- failed for the campaign's mistake. Same campaign rules as `release`.
+with camp as materialized (
+    select k.name, k.status
+    from mail.campaign k
+    where k.name in (select d.campaign from mail.send_log d
+                     where d.id = any(%(ids)s::bigint[]) and d.kind = 'scheduled')
+    for share of k
+), inactive as (
+    select name, status from camp where status in ('cancelled', 'completed')
+), changed as (
+    update mail.send_log l
+    set status = case when l.kind = 'scheduled' and l.campaign in (select name from inactive) then 'cancelled'
+                      when l.kind = 'scheduled' then 'pending' else 'failed' end,
+        released_at = case when l.kind = 'lifecycle' then now() end,
+        ambiguous_at = null,
+        attempts = case when l.kind = 'scheduled' then greatest(l.attempts - 1, 0) else l.attempts end,
+        idempotency_key = case when l.kind = 'scheduled' then null else l.idempotency_key end,
+        batch_index = case when l.kind = 'scheduled' then null else l.batch_index end,
+        error = case when l.kind = 'scheduled' and l.campaign in (select name from inactive)
+                     then %(reason)s || ' (campaign ' || (select i.status from inactive i where i.name = l.campaign)
+                          || ': not returned to pending)'
+                     else %(reason)s end
+                || case when l.ambiguous_at is not null
+                        then ' (its key was ambiguous since ' || l.ambiguous_at::text || '; this 2xx answered it)'
+                        else '' end
+    where l.id = any(%(ids)s::bigint[]) and l.status = 'sending'
+    returning l.id, l.attempts, l.status, l.error
+)
+insert into mail.send_event (send_log_id, from_status, to_status, attempt, error, dag_id, run_id, task_id)
+select id, 'sending', status, attempts, error, %(dag_id)s, %(run_id)s, %(task_id)s from changed
+returning send_log_id
+
 -- name: note_unknown
 -- The outcome is unknown (or a later failure says nothing about an ambiguous row): the rows stay
 -- 'sending' with their key and bytes, marked ambiguous from the first such answer on; the
