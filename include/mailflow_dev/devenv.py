@@ -185,6 +185,18 @@ class Busy(RuntimeError):
     """Another process holds a demo lock; the message says who and since when, in one line."""
 
 
+def _holder(fh: TextIO, settle: float = 1.0) -> str:
+    """Who holds the lock, as its holder wrote it; a holder that has just taken the lock writes its
+    pid a moment later, so an empty file is read again for up to ``settle`` seconds."""
+    give_up = time.monotonic() + settle
+    while True:
+        fh.seek(0)
+        text = fh.read().strip()
+        if text or time.monotonic() >= give_up:
+            return text or "another process"
+        time.sleep(0.05)
+
+
 @contextmanager
 def exclusive(name: str, *, wait: float = 0.0, what: str = "make demo") -> Iterator[None]:
     """Hold the lock file ``STATE/<name>.lock`` (``flock``: released by the kernel when the holder
@@ -204,8 +216,7 @@ def exclusive(name: str, *, wait: float = 0.0, what: str = "make demo") -> Itera
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    fh.seek(0)
-                    holder = fh.read().strip() or "another process"
+                    holder = _holder(fh)
                     raise Busy(f"another `{what}` is running ({holder}) on {STATE}; wait for it to finish "
                                "(or pass --wait SECONDS)") from None
                 time.sleep(0.5)
