@@ -7,6 +7,7 @@ module imports it.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -93,3 +94,13 @@ def airflow_db() -> Path:
     subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], check=True,
                    capture_output=True, env=os.environ.copy())
     return _AIRFLOW_HOME
+
+
+@pytest.fixture(autouse=True)
+def _mailflow_loggers_enabled() -> None:
+    """Airflow's logging setup (run by whichever earlier test imports it) disables the loggers that
+    existed before it (``disable_existing_loggers``); the product's own loggers are enabled again
+    for each test, so a test can read what the product logs (caplog)."""
+    for name, logger in logging.root.manager.loggerDict.items():
+        if name.startswith("mailflow") and isinstance(logger, logging.Logger):
+            logger.disabled = False
