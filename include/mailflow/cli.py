@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("migrate", help="apply pending migrations under the migration lock (docs/operations.md, "
                        "'Upgrading')", parents=[common])
     m.add_argument("--check", action="store_true", help="apply nothing; exit 1 if migrations are pending")
+    m.add_argument("--backfill", action="store_true",
+                   help="after applying what is pending, run the backfill steps of the applied migrations again "
+                   "(idempotent: keys what workers of the previous release wrote during a rolling deploy)")
     m.add_argument("--lock-timeout", type=float, default=1.0,
                    help="seconds a transactional migration waits for a table lock before retrying (default 1)")
     sub.add_parser("report", help="per-campaign counts by state", parents=[common])
@@ -206,7 +209,7 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     if args.cmd == "migrate":
         import logging
 
-        from mailflow.store.migrate import SchemaNotCurrent, migrate, require_current
+        from mailflow.store.migrate import SchemaNotCurrent, migrate, require_current, rerun_backfills
 
         if args.check:
             try:
@@ -219,6 +222,8 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
         applied = migrate(conn, lock_timeout_seconds=args.lock_timeout)
         print("applied: " + ", ".join(applied) if applied else "schema up to date")
+        if args.backfill:
+            print("backfill steps run again: " + (", ".join(rerun_backfills(conn)) or "none"))
     elif args.cmd == "reopen-refused":
         from mailflow.store.send_log import reopen_refused
 

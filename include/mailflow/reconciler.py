@@ -45,7 +45,7 @@ from typing import Any
 
 import psycopg
 
-from mailflow.provider.breaker import CircuitBreaker, is_answer
+from mailflow.provider.breaker import CircuitBreaker, is_answer, key_refused
 from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import BatchProvider, _send, key_identity_of, reserve_slot
 from mailflow.sendloop.outcome import NotSent, PreparedBatch, Refused, RunContext
@@ -74,6 +74,9 @@ class RepairSummary:
     circuit: str = "closed"
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
     held: list[dict[str, Any]] = field(default_factory=list)
+    #: batches whose resend under a previous key (``previous_api_keys``) was refused 401/403
+    #: (dicts: key, campaign, key_identity, reason): kept ambiguous, the key is needed until they resolve
+    key_refused: list[dict[str, Any]] = field(default_factory=list)
 
     def changed(self) -> int:
         """Rows whose state changed in this run."""
@@ -81,8 +84,8 @@ class RepairSummary:
                 + self.resent_failed + self.resent_rolled_back)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("dead_letters", "held")} | {
-            "dead_letters": len(self.dead_letters), "held": len(self.held)}
+        return {k: v for k, v in self.__dict__.items() if k not in ("dead_letters", "held", "key_refused")} | {
+            "dead_letters": len(self.dead_letters), "held": len(self.held), "key_refused": len(self.key_refused)}
 
 
 def reconcile(conn: psycopg.Connection, provider: BatchProvider, *, now: datetime,
@@ -185,8 +188,12 @@ def _resend(conn: psycopg.Connection, store: PostgresStore, sender_for: Callable
     first sent under (``sender_for(identity)``); the first one is the breaker's probe when
     ``probing`` (its answer closes the breaker, a failure ends the step)."""
     slot: float | None = None
+    refused_keys: set[str | None] = set()
     for key, campaign, body, count, validation, identity in batches:
+        if identity in refused_keys:
+            continue  # its previous key was refused in this run: left ambiguous, untouched
         sender = sender_for(identity)
+        previous_key = sender is not sender_for(None)  # a key kept in previous_api_keys for resends
         if slot is None:
             slot = reserve_slot(sender, deadline, clock)
         if slot is None:
@@ -223,7 +230,20 @@ def _resend(conn: psycopg.Connection, store: PostgresStore, sender_for: Callable
         s.resent_still_unknown += applied.unknown
         log.info("resent batch %s (%s, %d emails): %d sent, %d rejected, %d rolled back, %d still unknown",
                  key, campaign, count, applied.sent, applied.failed, applied.released, applied.unknown)
-        failure = breaker.record(outcome)  # an answer closes the breaker, a whole-request failure opens it
+        if previous_key and key_refused(outcome):
+            # The previous key was revoked or mistyped: the refusal says nothing about the request
+            # first sent under it (the rows stay ambiguous: only a 2xx under that key resolves
+            # them) nor about whether the provider processes sends (the breaker stays as it is).
+            refused_keys.add(identity)
+            s.key_refused.append({"key": key, "campaign": campaign, "key_identity": identity,
+                                  "reason": getattr(outcome, "reason", "")})
+            log.error("batch %s (%s, %d emails) was resent under previous API key %s and the provider refused that "
+                      "key (%s): kept ambiguous, not resent under another key (it could deliver twice). The rotation "
+                      "procedure needs that key valid until nothing needs it (docs/operations.md, 'Rotating the API "
+                      "key'; `mailflow keys`); past the idempotency window the rows become dead letters",
+                      key, campaign, count, identity, getattr(outcome, "reason", ""))
+            continue  # no verdict: a probe goes on with the next batch
+        failure = breaker.record(outcome, previous_key=previous_key)  # an answer closes it, a whole-request failure opens it
         if probing:
             probing = False
             s.circuit = "closed by probe" if is_answer(outcome) else "open"

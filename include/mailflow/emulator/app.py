@@ -188,7 +188,7 @@ class Emulator:
             raise ApiError(401, "missing_api_key", "Missing API key in the authorization header. Include the "
                            "following header in the request: Authorization: Bearer YOUR_API_KEY")
         key = auth[7:].strip()
-        if key not in self.cfg.api_keys and key not in self.cfg.restricted_keys:
+        if key in self.cfg.revoked_keys or (key not in self.cfg.api_keys and key not in self.cfg.restricted_keys):
             raise ApiError(403, "invalid_api_key", "API key is invalid")
         if self.chance(self.cfg.rate_limited_rate):
             raise ApiError(429, "rate_limit_exceeded", "Too many requests. Emulated rate limit.",

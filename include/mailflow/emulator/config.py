@@ -54,6 +54,8 @@ class EmulatorConfig:
     # Key types and domain checks (contract "Errors"; all off by default):
     restricted_keys: tuple[str, ...] = ()  # (runtime) sending-only keys: accepted by POST /emails and
     #   /emails/batch only; any other endpoint answers 401 restricted_api_key
+    revoked_keys: tuple[str, ...] = ()  # (runtime) keys revoked at the provider: every request under one
+    #   answers 403 invalid_api_key, outage or not (authentication comes first)
     check_from_domain: bool = False  # (runtime) a `from` outside `domain` (or its subdomains): 403 validation_error
     test_only: bool = False  # (runtime) an account without a verified domain: recipients other than
     #   owner_email get 403 validation_error
@@ -72,6 +74,7 @@ class EmulatorConfig:
         self.suppress = tuple(a.strip().lower() for a in self.suppress)
         self.fail = tuple(a.strip().lower() for a in self.fail)
         self.restricted_keys = tuple(self.restricted_keys)
+        self.revoked_keys = tuple(self.revoked_keys)
 
     def public(self) -> dict[str, Any]:
         """The JSON-serialisable settings (everything but ``clock``)."""
@@ -83,7 +86,7 @@ _RUNTIME = {
     "rate_limit", "quota_emails", "error_rate", "latency_ms", "latency_jitter_ms", "timeout_rate",
     "hang_seconds", "reset_after_accept_rate", "reset_mode", "strict_only", "scramble_order",
     "bounce", "complain", "retry_after_style", "store_bodies", "seed",
-    "restricted_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
+    "restricted_keys", "revoked_keys", "check_from_domain", "test_only", "owner_email", "suppress", "fail",
     "error_after_rate", "error_after_status", "outage",
     "date_skew_seconds", "retry_after_value", "rate_limited_rate",
 }
@@ -97,10 +100,10 @@ def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig
     for key, value in update.items():
         if key not in _RUNTIME:
             raise ValueError(f"unknown or read-only setting {key!r}")
-        if key in ("bounce", "complain", "suppress", "fail", "restricted_keys"):
+        if key in ("bounce", "complain", "suppress", "fail", "restricted_keys", "revoked_keys"):
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list | tuple) or not all(isinstance(a, str) for a in items):
-                raise ValueError(f"{key} must be a list of {'keys' if key == 'restricted_keys' else 'addresses'}")
+                raise ValueError(f"{key} must be a list of {'keys' if key.endswith('_keys') else 'addresses'}")
             value = tuple(items)
         elif key == "owner_email":
             if not isinstance(value, str) or _check_address(value) is None:

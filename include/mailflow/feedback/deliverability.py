@@ -53,8 +53,9 @@ from mailflow.provider.client import ResendClient, _error_fields, parse_retry_af
 from mailflow.provider.errors import describe_refusal
 from mailflow.sendloop.outcome import RunContext
 from mailflow.store.policy import mailbox_key
+from mailflow.store.policy import normalise_address as check_address
 from mailflow.store.sql import query
-from mailflow.store.suppression import suppress_address
+from mailflow.store.suppression import suppress_address, suppress_user
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,33 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
     return summary
 
 
+def _suppress_unkeyable(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int, email: str,
+                        provider_id: str, event: str, source: str) -> str:
+    """Suppress the user of a row whose address has no mailbox key (in the caller's transaction);
+    returns the decision recorded on the row's event."""
+    from mailflow.store.send_log import mask_email
+
+    why = check_address(email).error or "not a valid address"
+    row = conn.execute(query("feedback", "user_of_row"), {"id": send_log_id}).fetchone()
+    user_id = row[0] if row is not None else None
+    if user_id is None:
+        summary.alerts.append(f"send_log.id={send_log_id} to={mask_email(email)} provider id={provider_id}: "
+                              f"last_event {event}, address has no mailbox key and the row no user")
+        return (f"feedback: last_event {event}; the address has no mailbox key ({why}) and the row no user: "
+                "nobody suppressed, a person must suppress it")
+    new = suppress_user(conn, int(user_id), source=source, reason=(
+        f"provider last_event {event} (send_log {send_log_id}, email {provider_id}); the address has no "
+        f"mailbox key ({why})"))
+    if new:
+        summary.suppressed += 1
+    else:
+        summary.already_suppressed += 1
+    log.warning("email %s (send_log %s): last_event %s for an address with no mailbox key (%s): user %s %s",
+                provider_id, send_log_id, event, why, user_id, "suppressed" if new else "already suppressed")
+    return (f"feedback: last_event {event}; the address has no mailbox key ({why}): "
+            f"user {user_id} {'suppressed for all mail' if new else 'already suppressed'} (source {source})")
+
+
 def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int, email: str, provider_id: str,
             event: str, run: RunContext, reported: str = "") -> None:
     from mailflow.store.send_log import mask_email
@@ -266,7 +294,11 @@ def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int
         conn.execute(query("feedback", "record_check"), {
             "id": send_log_id, "pid": provider_id, "event": event, "final": event in FINAL_EVENTS})
         source = SUPPRESSING_EVENTS.get(event)
-        if source is not None:
+        if source is not None and mailbox_key(email) is None:
+            # an address the validator rejects today (stored by an older worker or validator) has
+            # no mailbox key to suppress: its user is suppressed instead, never the poll aborted
+            decision = _suppress_unkeyable(conn, summary, send_log_id, email, provider_id, event, source)
+        elif source is not None:
             new = suppress_address(conn, email, source=source,
                                    reason=f"provider last_event {event} (send_log {send_log_id}, email {provider_id})")
             if not new:

@@ -106,3 +106,20 @@ def held_batch_alert(held: list[dict[str, Any]], context: Any) -> None:
     if len(held) > 50:
         lines.append(f"  ... and {len(held) - 50} more")
     notifier("\n".join(lines), subject=f"mailflow: {len(held)} batch(es) held for a missing API key")(context)
+
+
+def key_refused_alert(refused: list[dict[str, Any]], context: Any) -> None:
+    """Alert once for the ambiguous batches whose resend under a previous API key
+    (``previous_api_keys``) was refused 401/403 by the provider: they stay ambiguous (only a 2xx
+    under that key resolves them), so the key must stay valid until nothing needs it (no-op for an
+    empty list). Each line names the batch, its campaign and key identity (never a key)."""
+    if not refused:
+        return
+    lines = [f"{len(refused)} ambiguous batch(es) could not be resent: the provider refused the previous API key "
+             "they were first sent under. They are kept ambiguous (resending under another key could deliver "
+             "twice). Keep (or restore) that key until `mailflow keys` shows nothing needs it (docs/operations.md, "
+             "'Rotating the API key'); past their idempotency window they become dead letters."]
+    lines += [f"  batch {r['key']} campaign={r['campaign']} key={r['key_identity']}" for r in refused[:50]]
+    if len(refused) > 50:
+        lines.append(f"  ... and {len(refused) - 50} more")
+    notifier("\n".join(lines), subject=f"mailflow: a previous API key was refused ({len(refused)} batch(es))")(context)

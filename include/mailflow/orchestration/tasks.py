@@ -168,7 +168,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     ``time_budget_seconds``. (Whole-request failures never charge users, so there is no attempts cap.)
     """
 
-    from mailflow.orchestration.alerts import dead_letter_alert, held_batch_alert
+    from mailflow.orchestration.alerts import dead_letter_alert, held_batch_alert, key_refused_alert
     from mailflow.provider.hook import ResendHook
     from mailflow.reconciler import reconcile
     from mailflow.store.migrate import require_current
@@ -196,6 +196,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
                     "nothing new (docs/operations.md, 'Circuit breaker')")
     dead_letter_alert(summary.dead_letters, context)
     held_batch_alert(summary.held, context)
+    key_refused_alert(summary.key_refused, context)
     return summary.as_dict()
 
 

@@ -37,7 +37,7 @@ import httpx
 import psycopg
 
 from mailflow.sendloop.clock import Clock
-from mailflow.sendloop.outcome import Accepted, Outcome, Refused, RunContext
+from mailflow.sendloop.outcome import Accepted, NotSent, Outcome, Refused, RunContext
 from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,26 @@ def whole_request_failure(outcome: Outcome) -> str | None:
     return None
 
 
-def is_answer(outcome: Outcome) -> bool:
+_KEY_REFUSED = re.compile(r"HTTP 40[13]\b")
+
+
+def key_refused(outcome: Outcome) -> bool:
+    """Whether ``outcome`` is a 401/403 refusal of the request as a whole (the client's
+    ``NotSent`` for a missing, restricted, revoked or unknown key, an unverified domain)."""
+    return isinstance(outcome, NotSent) and bool(_KEY_REFUSED.search(outcome.reason))
+
+
+def is_answer(outcome: Outcome, *, previous_key: bool = False) -> bool:
     """Whether ``outcome`` proves the provider processes requests: a 2xx (even one that does not add
-    up), a strict refusal, or any 4xx answer (refusals, 401/403, 429, 409)."""
+    up), a strict refusal, or any 4xx answer (refusals, 401/403, 429, 409).
+
+    With ``previous_key`` (the request went under a key kept in ``previous_api_keys`` for resends),
+    a 401/403 is no verdict: a revoked key is refused by the provider's authentication in front of
+    the sending path, outage or not (the probe treats a 401/403 to ``GET /domains`` the same way)."""
     if isinstance(outcome, Accepted | Refused):
         return True
+    if previous_key and key_refused(outcome):
+        return False
     return whole_request_failure(outcome) is None and bool(_ANSWER.search(outcome.reason))
 
 
@@ -220,13 +235,14 @@ class CircuitBreaker:
                         self.account, why, row[3], row[1], row[2])
         return row is not None
 
-    def record(self, outcome: Outcome) -> str | None:
+    def record(self, outcome: Outcome, *, previous_key: bool = False) -> str | None:
         """Note a send's outcome: a whole-request failure opens the breaker (returned), an answer
-        closes it, anything else leaves it as it is."""
+        closes it, anything else leaves it as it is (``previous_key``: see :func:`is_answer`; a
+        401/403 to a previous key is no verdict)."""
         failure = whole_request_failure(outcome)
         if failure is not None:
             self.trip(failure)
-        elif is_answer(outcome):
+        elif is_answer(outcome, previous_key=previous_key):
             self.reset("a request was answered")
         return failure
 

@@ -73,7 +73,10 @@ def run_lifecycle(
     (seconds, monotonic) is checked before each chunk is minted and covers the wait for its
     request slot; a minted chunk is always sent, unless the chunk before it stopped the run (then
     it is rolled back uncharged); what is not minted when it runs out is left for the next run. A
-    whole-request failure stops the run (see the outcome model in docs/model.md).
+    whole-request failure stops the run (see the outcome model in docs/model.md); a refusal of a
+    field of one campaign (its ``from``, headers, a template that renders invalid) stops only that
+    campaign (its summary's ``stopped`` names the field; a chunk of it already minted is released
+    uncharged) and the next campaigns go on, the task failing at the end.
 
     ``pipelined`` (the Airflow task turns it on, :func:`mailflow.settings.pipelined`): chunk N+1 is
     paged, minted, rendered and stored while chunk N is in flight (:class:`ChunkPipeline`; the
@@ -169,6 +172,12 @@ class _RunState:
     stop: str | None = None
     fatal: list[str] = dataclasses.field(default_factory=list)
     breaker: CircuitBreaker | None = None
+    #: campaigns stopped on their own (the provider refused one of their fields): the run goes on
+    refused: set[str] = dataclasses.field(default_factory=set)
+
+    def halted(self, campaign: str) -> bool:
+        """Whether ``campaign`` must mint or send nothing more: the run stopped, or that campaign did."""
+        return self.stop is not None or campaign in self.refused
 
 
 def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, campaign: Campaign,
@@ -233,11 +242,15 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
         chunk = InFlight(minted.batch, minted.rows, prepare, deadline, tag=summary)
         # one chunk in flight at a time: the previous one's answer first (it may stop the run)
         _drain(store, pipe, run, state)
-        if state.stop is not None:
-            applied = release_unsent(store, chunk, f"the run stopped ({state.stop})", run)
+        if state.halted(campaign.name):
+            # the chunk before stopped the run, or this campaign (its refusal is in summary.stopped)
+            why = f"the run stopped ({state.stop})" if state.stop is not None else \
+                f"the campaign stopped ({summary.stopped})"
+            applied = release_unsent(store, chunk, why, run)
             summary.released += applied.released
             summary.unknown += applied.unknown
-            summary.stopped = state.stop
+            if state.stop is not None:
+                summary.stopped = state.stop
             return
         if claim_late:  # claimed by the sender right before its request; sent whatever the budget
             slot = CLAIM_AT_SEND
@@ -245,7 +258,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
         slot = None
         if not pipe.pipelined:  # unpipelined: the answer is applied before the next mint
             _drain(store, pipe, run, state)
-            if state.stop is not None:
+            if state.halted(campaign.name):
                 return
 
 
@@ -269,10 +282,14 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
         state.breaker.record(outcome)  # a whole-request failure opens it for every sender
     if isinstance(outcome, Accepted) and outcome.stop_run:
         # the provider refused a field of the campaign (its sender, headers, rendered subject):
-        # nobody was charged (those rows were released); it would repeat, so the run stops, alerted
+        # nobody was charged (those rows were released); it would repeat for THIS campaign, so
+        # this campaign stops (a chunk of it already minted is released, unsent) while the others
+        # go on in priority order; the task still fails at the end, alerted
         if outcome.fatal:
             state.fatal.append(f"{summary.campaign}: {outcome.stop_run}")
-        summary.stopped = state.stop = outcome.stop_run
+        summary.stopped = outcome.stop_run
+        state.refused.add(summary.campaign)
+        log.error("%s stopped, the other campaigns go on: %s", summary.campaign, outcome.stop_run)
     if isinstance(outcome, NotSent | Unknown | Refused):
         if outcome.fatal:
             state.fatal.append(f"{summary.campaign}: {outcome.reason}")

@@ -132,7 +132,12 @@ def require_current(conn: psycopg.Connection) -> None:
 
     One indexed read; leaves ``conn`` idle (the read is committed or rolled back if it opened a
     transaction). A database *ahead* of the code (a migration this code does not know) is accepted:
-    migrations are additive, so old code keeps working during a rolling deploy.
+    migrations are additive, so old code keeps running during a rolling deploy. One exception:
+    after 0018 an address suppression must carry its mailbox key, so the previous release's
+    deliverability feedback cannot record a bounce (its poll fails on that row, rolled back, and
+    the email is polled again by the new code): pause the feedback DAG while 0018 runs and until
+    the rollout is done, then ``mailflow migrate --backfill`` (:func:`rerun_backfills`) keys what
+    the old workers wrote meanwhile (docs/operations.md, "Upgrading").
 
     :raises SchemaNotCurrent: naming the missing files and the command that applies them.
     """
@@ -170,12 +175,7 @@ def migrate(conn: psycopg.Connection, *, target: int | None = None, lock_timeout
     # Poll instead of waiting inside pg_advisory_lock(): a statement waiting for the lock is an open
     # transaction, and the holder's CREATE INDEX CONCURRENTLY waits for every open transaction
     # (deadlock).
-    waited = 0
-    while not conn.execute("select pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:  # type: ignore[index]
-        if waited % 60 == 0:
-            log.info("another migrator holds the migration lock; waiting for it (%d s so far)", waited // 2)
-        waited += 1
-        time.sleep(0.5)
+    _take_lock(conn)
     try:
         conn.execute("create schema if not exists mail")
         conn.execute("create table if not exists mail.schema_migrations ("
@@ -193,6 +193,56 @@ def migrate(conn: psycopg.Connection, *, target: int | None = None, lock_timeout
             log.info("applied %s in %.1f s", m.name, time.monotonic() - t0)
             applied.append(m.name)
         return applied
+    finally:
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            conn.rollback()
+        conn.execute("select pg_advisory_unlock(%s)", (LOCK_KEY,))
+
+
+def _take_lock(conn: psycopg.Connection) -> None:
+    waited = 0
+    while not conn.execute("select pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:  # type: ignore[index]
+        if waited % 60 == 0:
+            log.info("another migrator holds the migration lock; waiting for it (%d s so far)", waited // 2)
+        waited += 1
+        time.sleep(0.5)
+
+
+def rerun_backfills(conn: psycopg.Connection) -> list[str]:
+    """Run again, in version order, the Python backfill steps (``-- migrate: python <name>``) of
+    every migration already applied, under the migration lock; return the steps run.
+
+    For a rolling deploy: workers of the previous release that kept running while a migration was
+    applied may have written rows the step would have filled (0018: send-log rows with no mailbox
+    key, or 0007's ``lower()`` key). The steps are idempotent and resumable, so running them after
+    the rollout keys what was written meanwhile and changes nothing else (``mailflow migrate
+    --backfill``, docs/operations.md "Upgrading").
+
+    :param conn: an idle psycopg 3 connection; it is switched to autocommit.
+    :raises ValueError: if ``conn`` is inside a transaction, or a file names an unknown step.
+    :raises psycopg.Error: from a failing step (it is simply run again).
+    """
+    from mailflow.store.backfill import STEPS
+
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise ValueError("rerun_backfills() needs an idle connection")
+    conn.autocommit = True
+    _take_lock(conn)
+    try:
+        done = applied_versions(conn) or set()
+        ran: list[str] = []
+        for m in migration_files():
+            if m.version not in done:
+                continue
+            for statement in m.statements():
+                if statement.startswith(PYTHON_STEP):
+                    name = statement[len(PYTHON_STEP):]
+                    if name not in STEPS:
+                        raise ValueError(f"{m.name}: no backfill step named {name!r} in mailflow.store.backfill")
+                    log.info("%s: running the backfill step %s again", m.name, name)
+                    STEPS[name](conn)
+                    ran.append(name)
+        return ran
     finally:
         if conn.info.transaction_status != TransactionStatus.IDLE:
             conn.rollback()

@@ -31,3 +31,17 @@ def suppress_address(conn: psycopg.Connection, email: str, *, source: str, reaso
     row = conn.execute(query("suppression", "suppress_mailboxes"), {
         "emails": [email.strip()], "keys": [key], "scope": scope, "source": source, "reason": reason}).fetchone()
     return row is not None
+
+
+def suppress_user(conn: psycopg.Connection, user_id: int, *, source: str, reason: str | None = None,
+                  scope: str = "all") -> bool:
+    """Suppress the user ``user_id`` for ``scope`` (``all`` or a campaign name), in the caller's
+    transaction (or autocommit): the fallback for an address that has no mailbox key (the
+    validator rejects it) but belongs to a known user.
+
+    :returns: True if the suppression is new, False if the user was already suppressed for the scope.
+    :raises psycopg.Error: on a database failure.
+    """
+    row = conn.execute(query("suppression", "suppress_user"), {
+        "user_id": int(user_id), "scope": scope, "source": source, "reason": reason}).fetchone()
+    return row is not None

@@ -273,3 +273,57 @@ def test_a_sending_only_key_fails_the_poll_saying_it_needs_a_full_access_key(rig
                                             r"restricted_api_key: .*\).*full-access key.*MAILFLOW_FEEDBACK_CONN_ID"):
         rig.poll(restricted)
     assert rig.statuses() == {} and rig.suppressions() == []
+
+
+class RewritesTo:
+    """The provider's answer for these provider ids names ``to`` as given: the address a row was sent
+    to under an older, laxer validator (the provider accepted it; today's validator rejects it)."""
+
+    def __init__(self, http: Any, to: dict[str, str]):
+        self.http, self.to = http, to
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.http, name)
+
+    def get(self, url: str, **kw: Any) -> httpx.Response:
+        resp = self.http.get(url, **kw)
+        pid = url.rsplit("/", 1)[-1]
+        if resp.status_code != 200 or pid not in self.to:
+            return resp
+        body = resp.json() | {"to": [self.to[pid]]}
+        headers = {k: v for k, v in resp.headers.items() if k.startswith("ratelimit") or k == "date"}
+        return httpx.Response(200, json=body, headers=headers, request=resp.request)
+
+
+def test_an_address_without_a_mailbox_key_suppresses_its_user_and_the_poll_goes_on(rig: Rig) -> None:
+    rig.users({1: "user1@example.com", 2: "user2@example.com", 3: "user3@example.com"})
+    rig.emulator.configure(bounce=["user2@example.com", "user3@example.com"])
+    rig.send("feedback_a")
+    bad = "user2@example..com"  # no mailbox key: the validator rejects it (an empty domain label)
+    pids = dict(rig.db.execute("select user_id, provider_message_id from mail.send_log").fetchall())
+    rig.db.execute("update mail.send_log set email = %s where user_id = 2", (bad,))
+    client = rig.client()
+    client.http = RewritesTo(client.http, {pids[2]: bad})  # type: ignore[assignment]
+
+    s = rig.poll(client, run=RunContext(dag_id="deliverability_feedback", run_id="r1", task_id="poll_feedback"))
+
+    assert (s.due, s.checked, s.bounced, s.suppressed, s.already_suppressed, s.errors, s.stopped) == (
+        3, 3, 2, 2, 0, 0, None)
+    assert rig.suppressions() == [(2, None, "all", "bounce"), (None, "user3@example.com", "all", "bounce")]
+    assert rig.statuses() == {"user1@example.com": ("delivered", False, 1), bad: ("bounced", True, 1),
+                              "user3@example.com": ("bounced", True, 1)}
+    [(email, frm, to, decision, same_pid, *_), user3] = events_of(rig)
+    assert (email, frm, to, same_pid) == (bad, "sent", "sent", True)
+    assert decision.startswith("feedback: last_event bounced; the address has no mailbox key (")
+    assert decision.endswith("): user 2 suppressed for all mail (source bounce)")
+    assert user3[0] == "user3@example.com"
+    [reason] = rig.db.execute("select reason from mail.suppression where user_id = 2").fetchone() or [None]
+    [row2] = rig.db.execute("select id from mail.send_log where user_id = 2").fetchone() or [None]
+    assert reason.startswith(f"provider last_event bounced (send_log {row2}, email {pids[2]}); the address has no "
+                             "mailbox key (")
+    # a second poll of the same row (rechecks due at once) decides the same, as already suppressed
+    rig.db.execute("update mail.delivery_status set final = false")
+    again = rig.poll(client, recheck_after=timedelta(0))
+    assert (again.checked, again.suppressed, again.already_suppressed, again.errors) == (3, 0, 2, 0)
+    # the next run mails neither user 2 (suppressed by user) nor user 3 (by address)
+    assert rig.send("feedback_b") == {1: "sent"}

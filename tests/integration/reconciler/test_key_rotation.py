@@ -19,7 +19,8 @@ from lifecycle_rig import (
 from reconciler_rig import REPAIR, age_claims, db_now
 
 from mailflow.cli import keys, main
-from mailflow.orchestration.alerts import held_batch_alert
+from mailflow.orchestration.alerts import held_batch_alert, key_refused_alert
+from mailflow.provider.breaker import CircuitBreaker
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
@@ -109,6 +110,47 @@ def test_key_rotation_never_duplicates_an_ambiguous_batch(rig: Rig, caplog, caps
     assert table == {new.key_identity: ("current", 0, 0), old.key_identity: ("previous", 0, 0)}
     again = reconcile(conn, new, now=db_now(rig), run=REPAIR, previous={old.key_identity: previous_a})
     assert again.changed() == 0 and again.batches_resent == 0 and built == ["a"]
+
+
+def test_revoked_previous_key_is_no_verdict_for_the_breaker_and_keeps_the_batch_ambiguous(rig: Rig, caplog) -> None:
+    # an outage (every request 503) while the previous key kept for resends has been revoked at the
+    # provider: its 403 comes from authentication, in front of the failing sending path
+    old, key = _ambiguous_batch_under_key_a(rig, 3)  # the lost answer opened the breaker
+    new = _client(rig, SENDING_ONLY)
+    conn = rig.store().conn
+    rig.emulator.configure(outage=True, revoked_keys=[rig.emulator.api_key])
+    requests_before = rig.emulator.stats()["requests"]
+
+    with caplog.at_level(logging.ERROR):
+        s = reconcile(conn, new, now=db_now(rig), run=REPAIR, previous={old.key_identity: lambda: old})
+
+    assert s.circuit == "open"
+    breaker = CircuitBreaker.for_run(conn, new, REPAIR).state()
+    assert breaker.open and not breaker.probing  # the probe lease is given back, the breaker stays open
+    assert rig.emulator.stats()["requests"] == requests_before + 1  # the one resend, refused 403
+    assert (s.batches_resent, s.resent_sent, s.resent_rolled_back, s.resent_still_unknown) == (1, 0, 0, 3)
+    assert [(r["key"], r["campaign"], r["key_identity"]) for r in s.key_refused] == [(key, "c1", old.key_identity)]
+    assert s.as_dict()["key_refused"] == 1
+    rows = rig.rows()
+    assert [(r["status"], r["idempotency_key"], r["released_at"]) for r in rows] == [("sending", key, None)] * 3
+    assert all(r["ambiguous_at"] is not None for r in rows)  # never released: only a 2xx under that key resolves
+    assert len(rig.outbox()) == 3
+    assert any(r.levelno == logging.ERROR and "previous API key" in r.getMessage() and "refused" in r.getMessage()
+               for r in caplog.records if r.name == "mailflow.reconciler")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="mailflow.alerts"):
+        key_refused_alert(s.key_refused, {})
+    [alert] = [r.getMessage() for r in caplog.records if r.name == "mailflow.alerts"]
+    assert alert.startswith("ALERT: 1 ambiguous batch(es) could not be resent: the provider refused the previous")
+    assert old.key_identity in alert and rig.emulator.api_key not in alert
+
+    # the key is valid again and the outage is over: the probe resend is answered, delivered once
+    rig.emulator.configure(outage=False, revoked_keys=[])
+    age_claims(rig, 16)
+    done = reconcile(conn, new, now=db_now(rig), run=REPAIR, previous={old.key_identity: lambda: old})
+    assert (done.circuit, done.batches_resent, done.resent_sent, done.key_refused) == ("closed by probe", 1, 3, [])
+    assert not CircuitBreaker.for_run(conn, new, REPAIR).state().open
+    assert len(rig.outbox()) == 3 and {r["status"] for r in rig.rows()} == {"sent"}
 
 
 def test_a_batch_held_for_its_key_is_dead_lettered_past_the_window(rig: Rig) -> None:

@@ -266,6 +266,38 @@ def test_campaign_level_rejection_charges_nobody_on_the_lifecycle_path(lifecycle
     assert (s.eligible, s.sent) == (15, 15)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_campaign_level_refusal_stops_only_that_lifecycle_campaign_and_the_others_go_on(
+        lifecycle_rig: LifecycleRig, pipelined: bool) -> None:  # noqa: F811
+    # the highest-priority campaign has a `from` the provider refuses: it stops after one batch;
+    # the lower-priority campaign still sends all of its audience, and the task fails at the end
+    rig = lifecycle_rig
+    for uid in range(1, 21):
+        add_user(rig.db, uid)
+    bad = dataclasses.replace(simple_campaign("lc_bad_from", 1, "user_id <= 10"), from_address=BAD_FROM)
+    good = simple_campaign("lc_good", 2, "user_id > 10")
+    kw: dict[str, Any] = {}
+    if pipelined:  # the second chunk of the refused campaign is minted while the first is in flight
+        store = rig.store()
+        conn = psycopg.connect(rig.dsn)
+        rig.conns.append(conn)
+        kw = {"store": store, "pipelined": True, "apply_store": store.companion(conn)}
+
+    with pytest.raises(SendError, match="lc_bad_from: campaign refused: `from`") as raised:
+        rig.run([bad, good], chunk_size=5, **kw)
+
+    sb, sg = raised.value.summaries
+    assert sb.stopped is not None and sb.stopped.startswith("campaign refused: `from`")
+    assert (sb.minted, sb.sent, sb.failed, sb.released) == ((10, 0, 0, 10) if pipelined else (5, 0, 0, 5))
+    assert (sg.eligible, sg.minted, sg.sent, sg.stopped) == (10, 10, 10, None)
+    bad_rows = rig.rows("campaign = 'lc_bad_from'")
+    assert len(bad_rows) == (10 if pipelined else 5)
+    assert all(r["released_at"] is not None and r["sent_at"] is None for r in bad_rows)  # nobody charged
+    assert Counter(r["status"] for r in rig.rows("campaign = 'lc_good'")) == Counter({"sent": 10})
+    assert sorted(m["to"][0] for m in rig.outbox()) == sorted(f"user{u}@example.com" for u in range(11, 21))
+    assert rig.emulator.stats()["requests"] == 3  # one refused batch of lc_bad_from, two of lc_good
+
+
 def test_rows_failed_for_a_campaign_field_are_reopened_by_the_command(rig: Rig, capsys: pytest.CaptureFixture[str],
                                                                        db_dsn: str) -> None:
     cid = provisioned(rig, 3, name="old_bad_from")

@@ -205,6 +205,36 @@ def test_0018_backfills_mailbox_keys_on_a_live_send_log_and_runs_again_harmlessl
             conn.execute("insert into mail.suppression (email, source) values ('late@example.com', 'manual')")
 
 
+def test_0018_rolling_deploy_rows_written_without_a_key_after_migrating_are_keyed_by_the_backfill_rerun(
+        fresh: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers of the previous release keep running after 0018 (a rolling deploy): their send-log
+    rows carry no key or 0007's lower() key, which no mailbox lookup compares correctly, and their
+    address suppressions are refused (rolled back: the email is polled again by the new code, never
+    recorded unmatched). ``mailflow migrate --backfill`` after the rollout keys those rows."""
+    from mailflow.cli import main
+
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn)
+        # what an old worker writes once 0018 has run
+        conn.execute("insert into mail.send_log (user_id, campaign, email, email_key, status) values"
+                     " (1, 'a', 'Late@Example.COM', null, 'pending'),"
+                     " (2, 'a', 'ΟΔΟΣ@example.gr', 'οδος@example.gr', 'pending'),"  # 0007's lower(): final sigma
+                     " (3, 'a', 'bob@example.com', 'bob@example.com', 'pending')")
+        with pytest.raises(psycopg.errors.CheckViolation, match="suppression_email_has_key"):
+            conn.execute("insert into mail.suppression (email, scope, source) values ('Late@Example.COM', 'all', 'bounce')")
+        assert migrate(conn) == []  # applied once: a plain run does not look at the rows again
+
+        assert main(["migrate", "--backfill", "--dsn", fresh]) == 0
+        assert capsys.readouterr().out.splitlines() == [
+            "schema up to date", "backfill steps run again: backfill_mailbox_keys, require_suppression_keys"]
+        assert conn.execute("select user_id, email_key from mail.send_log order by id").fetchall() == [
+            (1, "late@example.com"), (2, "οδοσ@example.gr"), (3, "bob@example.com")]
+        assert conn.execute("select count(*) from mail.suppression").fetchone() == (0,)
+        # idempotent: again, nothing changes
+        assert migrator.rerun_backfills(conn) == ["backfill_mailbox_keys", "require_suppression_keys"]
+        assert conn.execute("select count(*), count(email_key) from mail.send_log").fetchone() == (3, 3)
+
+
 def test_0011_drops_concurrently_outside_a_transaction() -> None:
     m = {m.version: m for m in migration_files()}[11]
     assert m.transactional is False

@@ -35,3 +35,7 @@ insert into mail.send_event (send_log_id, from_status, to_status, error, provide
 select l.id, 'sent', 'sent', %(decision)s, %(pid)s, %(dag_id)s, %(run_id)s, %(task_id)s
 from mail.send_log l
 where l.id = %(id)s and l.status = 'sent'
+
+-- name: user_of_row
+-- The user of one send-log row (a bounced address that has no mailbox key is suppressed by user).
+select user_id from mail.send_log where id = %(id)s
