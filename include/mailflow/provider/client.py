@@ -111,18 +111,20 @@ def parse_retry_after(value: str | None, clock: Clock, date: str | None = None) 
     return min(max(seconds, 0.0), RETRY_AFTER_CEILING)
 
 
-def key_identity(base_url: str, api_key: str) -> str:
-    """A non-secret identity of an API key on one account: ``<base url>#<16 hex>``, e.g.
-    ``https://api.resend.com#3f2a9c0e5b7d4e1f``.
+def key_identity(api_key: str) -> str:
+    """A non-secret identity of an API key: ``key#<16 hex>``, e.g. ``key#3f2a9c0e5b7d4e1f``.
 
     The hex is the first 16 of sha256(``"mailflow-key-id:" + api_key``): stable, the same for the
-    same key, and it reveals nothing usable about the key (a salted prefix of a hash). The base URL
-    (trailing ``/`` dropped) names the account. Stored with every batch (``mail.send_batch.key_identity``):
-    the provider scopes idempotency keys per API key, so an ambiguous batch may only be resent under
-    the key it was first sent with (docs/operations.md, "Rotating the API key").
+    same key, and it reveals nothing usable about the key (a salted prefix of a hash). Stored with
+    every batch (``mail.send_batch.key_identity``): the provider scopes idempotency keys per API key,
+    so an ambiguous batch may only be resent under the key it was first sent with (docs/operations.md,
+    "Rotating the API key"). The base URL is deliberately not part of it: a key belongs to one
+    account whatever URL reaches it (a proxy, a moved endpoint, an emulator restarted on another
+    port keeps its idempotency memory), and the account's rate limit and breaker are keyed by the
+    base URL already.
     """
     digest = hashlib.sha256(("mailflow-key-id:" + api_key).encode("utf-8")).hexdigest()
-    return f"{base_url.rstrip('/')}#{digest[:16]}"
+    return f"key#{digest[:16]}"
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class ResendClient:
         self.policy = policy or RetryPolicy()
         self.rng = rng or random.Random()
         self.conn_id = conn_id
-        self.key_identity = key_identity(base_url, api_key)
+        self.key_identity = key_identity(api_key)
         """Non-secret identity of this client's key (:func:`key_identity`); stored with each batch."""
         self.stats = {"requests": 0, "429": 0, "5xx": 0, "timeouts": 0, "replays": 0, "late_slots": 0}
         self.http = httpx.Client(

@@ -97,9 +97,9 @@ class ResendHook(BaseHook):
 
         :raises ValueError: if the connection has no API key.
         """
-        base = self.settings()["base_url"]
-        current = key_identity(base, str(self._connection().password))
-        previous = [key_identity(base, k) for k in self.previous_api_keys()]
+        self.settings()  # raises if the connection has no API key
+        current = key_identity(str(self._connection().password))
+        previous = [key_identity(k) for k in self.previous_api_keys()]
         return current, [i for i in dict.fromkeys(previous) if i != current]
 
     def previous_clients(self) -> dict[str, Callable[[], ResendClient]]:
@@ -109,8 +109,8 @@ class ResendHook(BaseHook):
         account), so call :meth:`get_conn` first. :meth:`close` closes them."""
         s = self.settings()
         base = s["base_url"]
-        current = key_identity(base, str(self._connection().password))
-        keys = {i: k for k in self.previous_api_keys() if (i := key_identity(base, k)) != current}
+        current = key_identity(str(self._connection().password))
+        keys = {i: k for k in self.previous_api_keys() if (i := key_identity(k)) != current}
 
         def factory(identity: str) -> Callable[[], ResendClient]:
             def build() -> ResendClient:

@@ -153,7 +153,7 @@ def run_actor(spec: ActorSpec) -> None:
             try:
                 reconcile(conn, client, now=row[0], stale_after=timedelta(0), run=run, clock=clock,
                           deadline=clock.monotonic() + budget,
-                          previous={key_identity(spec.base_url, k): previous_client(k) for k in spec.previous_keys})
+                          previous={key_identity(k): previous_client(k) for k in spec.previous_keys})
             finally:
                 for c in built:
                     c.pacer.close()  # type: ignore[attr-defined]

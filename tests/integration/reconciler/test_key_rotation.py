@@ -50,7 +50,7 @@ def _ambiguous_batch_under_key_a(rig: Rig, users: int) -> tuple[ResendClient, st
     rig.emulator.configure(reset_after_accept_rate=0.0)
     assert len(rig.outbox()) == users  # the provider did deliver, once
     [(key, stored)] = rig.db.execute("select idempotency_key, key_identity from mail.send_batch").fetchall()
-    assert stored == old.key_identity == key_identity(rig.emulator.base_url, rig.emulator.api_key)
+    assert stored == old.key_identity == key_identity(rig.emulator.api_key)
     age_claims(rig, 16)  # the sender is gone: the reconciler's turn
     return old, key
 

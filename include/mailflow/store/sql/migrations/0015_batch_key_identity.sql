@@ -2,7 +2,8 @@
 -- The provider scopes idempotency keys per API key (Resend does not document the scope; the
 -- emulator scopes them per key, as harsh as it could be), so an ambiguous batch resent under another
 -- key would be processed a second time. The store writes send_batch.key_identity (a non-secret
--- identity of the key: "<base url>#<16 hex of sha256>", never the key) in the statement that stores
+-- identity of the key: "key#<16 hex of sha256>", never the key; not the base URL: a key
+-- belongs to one account whatever URL reaches it) in the statement that stores
 -- the bytes; the reconciler resends a batch only under the same identity and holds it otherwise
 -- (docs/operations.md, "Rotating the API key").
 -- Existing batches keep NULL (unknown: sent before this migration): the reconciler treats them as
@@ -19,7 +20,7 @@ create table if not exists mail.api_key_identity (
 );
 
 comment on column mail.send_batch.key_identity is
-    'Non-secret identity of the API key the batch was first sent with ("<base url>#<16 hex of '
+    'Non-secret identity of the API key the batch was first sent with ("key#<16 hex of '
     'sha256(''mailflow-key-id:'' || key)>"); a resend uses the same key (idempotency keys are scoped per API '
     'key). Null: stored before 0015 or by a sender without an identity; resent under the current key.';
 comment on table mail.api_key_identity is
