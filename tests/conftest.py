@@ -98,9 +98,10 @@ def airflow_db() -> Path:
 
 @pytest.fixture(autouse=True)
 def _mailflow_loggers_enabled() -> None:
-    """Airflow's logging setup (run by whichever earlier test imports it) disables the loggers that
-    existed before it (``disable_existing_loggers``); the product's own loggers are enabled again
-    for each test, so a test can read what the product logs (caplog)."""
+    """The product's loggers as a deployment has them, for every test: enabled and at the level they
+    inherit (an earlier test's logging setup, Airflow's or a tool run in-process, may have disabled
+    or quietened them), so a test can read what the product logs (caplog)."""
     for name, logger in logging.root.manager.loggerDict.items():
-        if name.startswith("mailflow") and isinstance(logger, logging.Logger):
+        if name.split(".")[0] in ("mailflow", "mailflow_dev") and isinstance(logger, logging.Logger):
             logger.disabled = False
+            logger.setLevel(logging.NOTSET)

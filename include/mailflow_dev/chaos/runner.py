@@ -323,12 +323,17 @@ def _feedback(dsn: str, team: Team) -> dict[str, int]:
 
     from mailflow.feedback.deliverability import poll_feedback
 
-    logging.getLogger("mailflow").setLevel(logging.CRITICAL)  # its per-email alerts are the point here
-    with psycopg.connect(dsn) as conn, ResendClient(team.base_url, API_KEY, pacer=PostgresPacer(
-            lambda: psycopg.connect(dsn), "chaos-feedback", requests_per_second=500, target_fraction=1.0),
-            timeout=httpx.Timeout(5.0)) as client:
-        s = poll_feedback(conn, client, min_age=timedelta(0), limit=200, budget_seconds=120)  # every email of a small run, a sample of a large one
-        client.pacer.close()  # type: ignore[attr-defined]
+    product_log = logging.getLogger("mailflow")
+    level = product_log.level
+    product_log.setLevel(logging.CRITICAL)  # its per-email alerts are the point here, not in the log
+    try:
+        with psycopg.connect(dsn) as conn, ResendClient(team.base_url, API_KEY, pacer=PostgresPacer(
+                lambda: psycopg.connect(dsn), "chaos-feedback", requests_per_second=500, target_fraction=1.0),
+                timeout=httpx.Timeout(5.0)) as client:
+            s = poll_feedback(conn, client, min_age=timedelta(0), limit=200, budget_seconds=120)  # every email of a small run, a sample of a large one
+            client.pacer.close()  # type: ignore[attr-defined]
+    finally:
+        product_log.setLevel(level)  # the caller's process logs as before (a test session runs this in-process)
     return {"checked": s.checked, "provider_suppressed": s.provider_suppressed, "failed": s.failed,
             "recipient_mismatch": s.mismatched, "suppressed": s.suppressed}
 

@@ -107,15 +107,8 @@ def test_unreachable_provider_fails_the_run(rig: Rig, caplog: pytest.LogCaptureF
     # A provider that refuses every connection used to end each dispatch run green, "provider
     # unreachable" at INFO only. Nothing was written, so nobody is charged; but the run fails.
     provisioned(rig, 3)
-    # the dispatcher's own logger, whatever an earlier test's logging setup did to propagation
-    dispatcher_log = logging.getLogger("mailflow.sources.scheduled.dispatcher")
-    dispatcher_log.disabled = False
-    dispatcher_log.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.INFO), pytest.raises(SendError, match="provider down") as failed:
-            rig.dispatch(client=_dead_client(rig), batch_size=10)
-    finally:
-        dispatcher_log.removeHandler(caplog.handler)
+    with caplog.at_level(logging.INFO), pytest.raises(SendError, match="provider down") as failed:
+        rig.dispatch(client=_dead_client(rig), batch_size=10)
     assert failed.value.summary.stopped == "provider unreachable"
     assert failed.value.summary.released == 3
     assert {(r["status"], r["attempts"], r["idempotency_key"]) for r in rig.rows()} == {("pending", 0, None)}
