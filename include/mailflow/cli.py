@@ -10,7 +10,7 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow dead-letters list [--campaign C]  # dead letters nobody has decided on yet
     mailflow dead-letters resend (--ids 1,2 | --all) --by NAME --reason TEXT --accept-duplicate-risk
     mailflow dead-letters close  (--ids 1,2 | --all) --by NAME --reason TEXT
-    mailflow breaker [--close --by NAME --reason TEXT]  # the providers' circuit breakers
+    mailflow breaker [--close ACCOUNT --by NAME]         # the providers' circuit breakers
     mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
 """
 
@@ -187,9 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="re-open rows the provider rejected for a field of the campaign (e.g. `from`), "
                             "not of the recipient (docs/operations.md); counts only without --apply")
     r.add_argument("--campaign", required=True)
-    r.add_argument("--field", default=None, help="only rows whose error names this campaign field")
+    r.add_argument("--field", default=None, type=str.lower,
+                   help="only rows whose error names this campaign field (any case)")
     r.add_argument("--apply", action="store_true", help="change the rows (default: count only)")
     args = p.parse_args(argv)
+    if args.cmd == "breaker" and args.by and not args.close:
+        p.error("breaker: --by names who closes a breaker; it needs --close ACCOUNT")
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
     try:
