@@ -343,6 +343,9 @@ def _dead_letters(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         print("error: a resend under a new key may deliver an email the provider already accepted under the old "
               "one; pass --accept-duplicate-risk to take that decision", file=sys.stderr)
         return 2
+    if not args.by.strip() or not args.reason.strip():  # checked before any row is looked at
+        print("error: a decision on a dead letter names who took it (--by) and why (--reason)", file=sys.stderr)
+        return 2
     refused = undecidable(conn, ids, args.campaign) if ids is not None else {}
     targets = [int(r[0]) for r in dead_letters(conn, ids, args.campaign) if int(r[0]) not in refused]
     try:

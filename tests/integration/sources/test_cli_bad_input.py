@@ -38,6 +38,8 @@ def test_unknown_and_already_decided_ids_are_reported_not_silently_skipped(
         rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     dead = _dead(rig)
     dsn = ["--dsn", rig.dsn]
+    assert mailflow_cli(["dead-letters", "close", "--ids", "999999", "--by", "ops", *dsn]) == 2  # no --reason
+    assert "names who took it (--by) and why (--reason)" in capsys.readouterr().err
     assert mailflow_cli(["dead-letters", "close", "--ids", "999999", *DECIDE, *dsn]) == 1
     out = capsys.readouterr()
     assert "close: 0 dead letter(s) decided" in out.out
