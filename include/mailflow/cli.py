@@ -10,7 +10,7 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow dead-letters list [--campaign C]  # dead letters nobody has decided on yet
     mailflow dead-letters resend (--ids 1,2 | --all) --by NAME --reason TEXT --accept-duplicate-risk
     mailflow dead-letters close  (--ids 1,2 | --all) --by NAME --reason TEXT
-    mailflow breaker [--close --by NAME --reason TEXT]  # the providers' circuit breakers
+    mailflow breaker [--close ACCOUNT --by NAME]         # the providers' circuit breakers
     mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
 """
 
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import sys
 from collections import Counter
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     dl = sub.add_parser("dead-letters", help="list dead letters, or record a person's decision on them "
                         "(docs/operations.md, 'Dead letters')", parents=[common])
     dl.add_argument("action", choices=("list", "resend", "close"))
-    dl.add_argument("--ids", help="comma-separated send-log ids")
-    dl.add_argument("--all", action="store_true", help="every undecided dead letter (of --campaign, if given)")
+    which = dl.add_mutually_exclusive_group()
+    which.add_argument("--ids", type=_id_list, help="comma-separated send-log ids (each must be an undecided "
+                       "dead letter, of --campaign if given: exit 1 naming any that is not)")
+    which.add_argument("--all", action="store_true", help="every undecided dead letter (of --campaign, if given)")
     dl.add_argument("--campaign", help="only this campaign")
     dl.add_argument("--by", default="", help="who decides (recorded on the rows and events)")
     dl.add_argument("--reason", default="", help="why (recorded on the rows and events)")
@@ -187,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="re-open rows the provider rejected for a field of the campaign (e.g. `from`), "
                             "not of the recipient (docs/operations.md); counts only without --apply")
     r.add_argument("--campaign", required=True)
-    r.add_argument("--field", default=None, help="only rows whose error names this campaign field")
+    r.add_argument("--field", default=None, type=str.lower,
+                   help="only rows whose error names this campaign field (any case)")
     r.add_argument("--apply", action="store_true", help="change the rows (default: count only)")
     args = p.parse_args(argv)
+    if args.cmd == "breaker" and args.by and not args.close:
+        p.error("breaker: --by names who closes a breaker; it needs --close ACCOUNT")
     if not args.dsn:
         p.error("--dsn or MAILFLOW_DSN is required")
     try:
@@ -227,6 +234,9 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     elif args.cmd == "reopen-refused":
         from mailflow.store.send_log import reopen_refused
 
+        if (unknown := unknown_campaign(conn, args.campaign)) is not None:
+            print(f"error: {unknown}", file=sys.stderr)
+            return 2
         try:
             done = reopen_refused(conn, args.campaign, args.field, apply=args.apply)
         except ValueError as exc:
@@ -260,8 +270,66 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     return 0
 
 
+def _id_list(text: str) -> list[int]:
+    """``--ids``: comma-separated positive send-log ids.
+
+    :raises argparse.ArgumentTypeError: naming the first entry that is not one (argparse: exit 2).
+    """
+    ids = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        if not part.isascii() or not part.isdigit() or int(part) == 0:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a send-log id (a positive integer)")
+        ids.append(int(part))
+    if not ids:
+        raise argparse.ArgumentTypeError("no send-log id given")
+    return ids
+
+
+def unknown_campaign(conn: psycopg.Connection, campaign: str | None) -> str | None:
+    """None when ``campaign`` is None or has a row in the send log; otherwise the message saying no
+    such campaign exists there, with the closest names (:func:`difflib.get_close_matches`)."""
+    if campaign is None:
+        return None
+    names = [r[0] for r in conn.execute("select distinct campaign from mail.send_log").fetchall()]
+    if campaign in names:
+        return None
+    close = difflib.get_close_matches(campaign, names, n=3)
+    return (f"no campaign {campaign!r} in the send log"
+            + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
+
+
+def undecidable(conn: psycopg.Connection, ids: list[int], campaign: str | None) -> dict[int, str]:
+    """Of ``ids``, the ones a decision cannot apply to, each with why: not in the send log, outside
+    ``campaign``, never dead-lettered, or already decided (when, by whom, which decision; times are
+    the database's, shown in UTC). Ids absent from the result are undecided dead letters."""
+    rows = conn.execute(
+        """
+        select id, campaign, dead_lettered_at, status, dead_letter_decision,
+               dead_letter_decided_at, dead_letter_decided_by
+        from mail.send_log where id = any(%(ids)s::bigint[])
+        """, {"ids": ids}).fetchall()
+    found = {int(r[0]): r for r in rows}
+    why: dict[int, str] = {}
+    for i in ids:
+        r = found.get(i)
+        if r is None:
+            why[i] = "no such row in the send log"
+        elif campaign is not None and r[1] != campaign:
+            why[i] = f"belongs to campaign {r[1]!r}, not {campaign!r}"
+        elif r[5] is not None and (r[2] is None or r[5] >= r[2]):
+            why[i] = f"already decided ({r[4]}) at {r[5].astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC by {r[6]}"
+        elif r[2] is None or r[3] != "failed":
+            why[i] = f"not a dead letter (status {r[3]})"
+    return why
+
+
 def _dead_letters(args: argparse.Namespace, conn: psycopg.Connection) -> int:
-    ids = [int(x) for x in args.ids.split(",") if x.strip()] if args.ids else None
+    ids: list[int] | None = args.ids
+    if (unknown := unknown_campaign(conn, args.campaign)) is not None:
+        print(f"error: {unknown}", file=sys.stderr)
+        return 2
     if args.action == "list":
         rows = dead_letters(conn, ids, args.campaign)
         print_table(("id", "kind", "campaign", "user_id", "key", "dead_lettered_at", "error"),
@@ -275,14 +343,25 @@ def _dead_letters(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         print("error: a resend under a new key may deliver an email the provider already accepted under the old "
               "one; pass --accept-duplicate-risk to take that decision", file=sys.stderr)
         return 2
-    targets = [int(r[0]) for r in dead_letters(conn, ids, args.campaign)]
+    if not args.by.strip() or not args.reason.strip():  # checked before any row is looked at
+        print("error: a decision on a dead letter names who took it (--by) and why (--reason)", file=sys.stderr)
+        return 2
+    refused = undecidable(conn, ids, args.campaign) if ids is not None else {}
+    targets = [int(r[0]) for r in dead_letters(conn, ids, args.campaign) if int(r[0]) not in refused]
     try:
-        changed = decide_dead_letters(conn, args.action, targets, args.by, args.reason)
+        changed = decide_dead_letters(conn, args.action, targets, args.by, args.reason) if targets else []
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for i in sorted(set(targets) - set(changed)):  # decided by someone else between the read and the write
+        refused[i] = "decided by someone else meanwhile"
     print(f"{args.action}: {len(changed)} dead letter(s) decided" + (f" ({', '.join(map(str, changed))})"
                                                                    if changed else ""))
+    if refused:
+        print(f"error: {len(refused)} id(s) left unchanged:", file=sys.stderr)
+        for i, why in sorted(refused.items()):
+            print(f"  {i}: {why}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -293,6 +372,11 @@ def _breaker(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         if not args.by.strip():
             print("error: --by names who closes the breaker", file=sys.stderr)
             return 2
+        known = [r[0] for r in conn.execute("select account from mail.circuit_breaker order by account")]
+        if args.close not in known:
+            print(f"error: no breaker for account {args.close!r}; known accounts: "
+                  + (", ".join(known) or "none (no breaker has opened yet)"), file=sys.stderr)
+            return 1
         with conn.transaction():
             row = conn.execute(query("breaker", "close"), {"account": args.close,
                                                           "holder": f"by hand: {args.by.strip()}"}).fetchone()

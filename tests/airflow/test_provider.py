@@ -149,3 +149,36 @@ def test_previous_api_keys_give_one_client_per_key_identity(monkeypatch: pytest.
         "conn_type": "resend", "host": emulator.base_url, "password": "re_new_key",
         "extra": {"previous_api_keys": "re_a, re_b"}}))
     assert ResendHook("resend_rot").previous_api_keys() == ["re_a", "re_b"]
+
+
+@pytest.mark.parametrize(("name", "value", "allowed"), [
+    ("max_retry_after_seconds", 0, "(0, 120]"),
+    ("max_retry_after_seconds", "abc", "(0, 120]"),
+    ("max_retry_after_seconds", 500, "(0, 120]"),
+    ("requests_per_second", 0, "(0, inf)"),
+    ("requests_per_second", "ten", "(0, inf)"),
+    ("target_fraction", 1.5, "(0, 1]"),
+    ("target_fraction", 0, "(0, 1]"),
+    ("timeout_seconds", -1, "(0, inf)"),
+    ("connect_timeout_seconds", "nan", "(0, inf)"),
+])
+def test_invalid_numeric_extra_is_refused_naming_connection_extra_and_range(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: object, allowed: str) -> None:
+    """An explicit 0 is not "the default", a word is not a number, and an out-of-range value names
+    where it came from: each raises before any sender starts."""
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_EXTRA", json.dumps(
+        {"conn_type": "resend", "host": "http://x", "password": "re_k", "extra": {name: value}}))
+    with pytest.raises(ValueError) as exc:
+        ResendHook("resend_extra").settings()
+    assert str(exc.value) == (f"connection 'resend_extra': extra {name!r} must be a number in {allowed}, "
+                              f"got {value!r}")
+
+
+def test_valid_numeric_extras_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_CONN_RESEND_OK", json.dumps(
+        {"conn_type": "resend", "host": "http://x", "password": "re_k",
+         "extra": {"max_retry_after_seconds": "120", "requests_per_second": 2.5, "target_fraction": 1,
+                   "timeout_seconds": "", "connect_timeout_seconds": None}}))
+    s = ResendHook("resend_ok").settings()
+    assert (s["max_retry_after_seconds"], s["requests_per_second"], s["target_fraction"], s["timeout_seconds"],
+            s["connect_timeout_seconds"]) == (120.0, 2.5, 1.0, 30.0, 5.0)

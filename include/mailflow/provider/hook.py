@@ -11,6 +11,7 @@ docs/operations.md, "Rotating the API key"; masked like the password). The conne
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -19,7 +20,13 @@ import psycopg
 from airflow.sdk import BaseHook
 
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
-from mailflow.provider.pacing import DEFAULT_MAX_HOLD_SECONDS, Pacer, PostgresPacer, check_max_hold
+from mailflow.provider.pacing import (
+    DEFAULT_MAX_HOLD_SECONDS,
+    MAX_HOLD_SECONDS,
+    Pacer,
+    PostgresPacer,
+    check_max_hold,
+)
 from mailflow.sendloop.clock import Clock
 
 DEFAULT_BASE_URL = "https://api.resend.com"
@@ -57,8 +64,10 @@ class ResendHook(BaseHook):
         max_retry_after_seconds (s: a longer Retry-After stops the run with an alert; every sender is
         held at most this long).
 
-        :raises ValueError: if the connection has no API key, naming the connection, or the cap is
-            outside ``(0, pacing.MAX_HOLD_SECONDS]``.
+        :raises ValueError: if the connection has no API key, naming the connection, or a numeric extra
+            is not a number in its range (naming the connection, the extra and the range): every one
+            ``> 0``, target_fraction at most 1, max_retry_after_seconds at most ``pacing.MAX_HOLD_SECONDS``.
+            An absent or empty extra takes its default; an explicit 0 is refused.
         """
         conn = self._connection()
         if not conn.password:
@@ -69,15 +78,35 @@ class ResendHook(BaseHook):
             host = f"https://{host}" + (f":{conn.port}" if conn.port else "")
         return {
             "base_url": host,
-            "requests_per_second": float(extra.get("requests_per_second") or 10),
-            "target_fraction": float(extra.get("target_fraction") or 0.8),
+            "requests_per_second": self._number(extra, "requests_per_second", 10.0),
+            "target_fraction": self._number(extra, "target_fraction", 0.8, upper=1.0),
             "batch_validation": str(extra.get("batch_validation") or "permissive"),
-            "timeout_seconds": float(extra.get("timeout_seconds") or 30),
-            "connect_timeout_seconds": float(extra.get("connect_timeout_seconds") or 5),
+            "timeout_seconds": self._number(extra, "timeout_seconds", 30.0),
+            "connect_timeout_seconds": self._number(extra, "connect_timeout_seconds", 5.0),
             "pacer_conn_id": str(extra.get("pacer_conn_id") or "send_log_db"),
-            "max_retry_after_seconds": check_max_hold(extra.get("max_retry_after_seconds")
-                                                      or DEFAULT_MAX_HOLD_SECONDS),
+            "max_retry_after_seconds": check_max_hold(self._number(
+                extra, "max_retry_after_seconds", DEFAULT_MAX_HOLD_SECONDS, upper=MAX_HOLD_SECONDS)),
         }
+
+    def _number(self, extra: dict[str, Any], name: str, default: float, upper: float | None = None) -> float:
+        """The numeric extra ``name`` in ``(0, upper]`` (no upper bound when None); ``default`` only
+        when the extra is absent, null or empty (an explicit 0 is a mistake, not "use the default").
+
+        :raises ValueError: naming the connection, the extra and the allowed range, for a value that
+            is not a finite number in that range.
+        """
+        raw = extra.get(name)
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            return default
+        try:
+            value = float(raw) if not isinstance(raw, bool) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 0 and (upper is None or value <= upper)):
+            allowed = f"(0, {upper:g}]" if upper is not None else "(0, inf)"
+            raise ValueError(f"connection {self.resend_conn_id!r}: extra {name!r} must be a number in {allowed}, "
+                             f"got {raw!r}")
+        return value
 
     def previous_api_keys(self) -> list[str]:
         """The connection's ``previous_api_keys`` extra: a JSON list of keys (or one key, or several
