@@ -45,7 +45,7 @@ def test_longest_chunk_is_timeouts_times_attempts_plus_backoff() -> None:
     assert budgets.longest_chunk_seconds(max_attempts=1) == 65
     # the hook's defaults are the ones assumed here
     src = Path(__import__("mailflow.provider.hook", fromlist=["x"]).__file__).read_text()
-    assert 'extra.get("timeout_seconds") or 30' in src and 'extra.get("connect_timeout_seconds") or 5' in src
+    assert '_number(extra, "timeout_seconds", 30.0)' in src and '_number(extra, "connect_timeout_seconds", 5.0)' in src
 
 
 def test_every_dag_with_a_budget_is_held_here(dagbag: Any) -> None:
