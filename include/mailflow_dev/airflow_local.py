@@ -15,7 +15,7 @@ use it to run Airflow 3 the way an operator does:
   only then kills what is left of that process group.
 * :class:`AirflowApi`: the REST calls the UI makes (``/api/v2/...``) with a bearer token.
 
-Run as a script it is ``make airflow`` / ``make stop`` (:func:`up`, :func:`down`): the same
+Run through ``scripts/airflow_local.py`` it is ``make airflow`` / ``make stop`` (:func:`up`, :func:`down`): the same
 environment and the same :class:`Proc`, left running in the background with PID files in
 ``.demo/airflow-local/`` (see the ``up`` docstring).
 """
@@ -41,7 +41,7 @@ from sqlalchemy.engine import URL
 
 from mailflow.emulator.testing import free_port  # noqa: F401  (re-exported for the e2e tier)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: include/mailflow_dev/<this file>
 VENV_BIN = Path(sys.executable).parent
 TERMINAL = {"success", "failed"}
 
@@ -55,7 +55,7 @@ def worker_hostname() -> str:
 def sqlalchemy_url(dsn: str) -> str:
     """SQLAlchemy URL (psycopg 3 driver) for a libpq DSN or URI; a Unix-socket directory as host
     becomes ``?host=/dir`` (``postgresql+psycopg://postgres@/db?host=/run/pg``)."""
-    p = conninfo_to_dict(dsn)
+    p = {k: str(v) for k, v in conninfo_to_dict(dsn).items()}  # parsed from a string: every value is one
     host = p.get("host") or ""
     socket_dir = host if host.startswith("/") else None
     url = URL.create(
