@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mailflow.emulator.config import EmulatorConfig
-from mailflow.emulator.responses import _error, _json
+from mailflow.emulator.responses import error_response, json_response
 from mailflow.emulator.routes.control import ControlRoutes
 from mailflow.emulator.routes.emails import SendRoutes
 from mailflow.emulator.routes.reads import ReadRoutes
@@ -59,10 +59,10 @@ class Emulator(SendRoutes, ReadRoutes, ControlRoutes):
                 self.count(Response(status_code=500), "internal_server_error")
                 await asyncio.sleep(self.cfg.hang_seconds)
                 err = ApiError(500, "internal_server_error", "Emulated timeout: the request was not processed.")
-                return _error(err, rl)
+                return error_response(err, rl)
             return self.count(await handler(request, key, rl))
         except ApiError as err:
-            return self.count(_error(err, {**rl, **err.headers}), err.name)
+            return self.count(error_response(err, {**rl, **err.headers}), err.name)
 
 
 def create_app(config: EmulatorConfig) -> Starlette:
@@ -75,7 +75,7 @@ def create_app(config: EmulatorConfig) -> Starlette:
         return endpoint
 
     async def health(request: Request) -> Response:
-        return _json(200, {"status": "ok"})
+        return json_response(200, {"status": "ok"})
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -95,12 +95,12 @@ def create_app(config: EmulatorConfig) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
         name = {404: "not_found", 405: "method_not_allowed"}.get(status, "application_error")
-        return _error(ApiError(status, name, str(getattr(exc, "detail", "")) or name))
+        return error_response(ApiError(status, name, str(getattr(exc, "detail", "")) or name))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error", exc_info=exc)
         emu.stats["status_5xx"] += 1
-        return _error(ApiError(500, "internal_server_error", "Unexpected error in the emulator."))
+        return error_response(ApiError(500, "internal_server_error", "Unexpected error in the emulator."))
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.emulator = emu

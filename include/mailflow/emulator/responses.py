@@ -14,27 +14,31 @@ from starlette.responses import Response
 from mailflow.emulator.validation import ApiError
 
 
-def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
+def json_response(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
+    """A compact JSON response (``application/json``) with ``status`` and the given headers."""
     body = json.dumps(obj, separators=(",", ":")).encode()
     return Response(body, status, headers=headers, media_type="application/json")
 
 
-def _error(err: ApiError, headers: dict[str, str] | None = None) -> Response:
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> Response:
+    """Resend's error body ``{"statusCode", "name", "message"}`` for ``err``; the error's own headers
+    (e.g. ``retry-after``) win over ``headers``."""
     body = {"statusCode": err.status, "name": err.name, "message": err.message}
-    return _json(err.status, body, {**(headers or {}), **err.headers})
+    return json_response(err.status, body, {**(headers or {}), **err.headers})
 
 
 @lru_cache(maxsize=64)
-def _api_key_id(key: str) -> str:
+def api_key_id(key: str) -> str:
     """A stable, non-secret id of an API key (SHA-256 prefix) for idempotency scopes."""
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def _sha(value: str | None) -> str | None:
+def sha256_hex(value: str | None) -> str | None:
+    """Hex SHA-256 of ``value`` (UTF-8), or None for None: the outbox records body digests, not bodies."""
     return hashlib.sha256(value.encode()).hexdigest() if value is not None else None
 
 
-class _AbortedResponse(Response):
+class AbortedResponse(Response):
     """Sends 200 headers announcing a body, then returns without it: uvicorn closes the connection,
     so the client sees a transport error (httpx.RemoteProtocolError, requests ChunkedEncodingError)."""
 

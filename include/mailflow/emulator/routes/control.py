@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mailflow.emulator.config import coerce_update
-from mailflow.emulator.responses import _error, _json
+from mailflow.emulator.responses import error_response, json_response
 from mailflow.emulator.state import EmulatorState
 from mailflow.emulator.validation import ApiError
 
@@ -31,16 +31,16 @@ class ControlRoutes(EmulatorState):
                     raise ValueError("advance_clock_seconds must be a number")
                 new = coerce_update(self.cfg, update)
             except ValueError as exc:
-                return _error(ApiError(400, "invalid_parameter", str(exc)))
+                return error_response(ApiError(400, "invalid_parameter", str(exc)))
             if "seed" in update:
                 self.rng = random.Random(new.seed)
             self.cfg = new
             self.clock_offset += float(advance)
-        return _json(200, self.cfg.public())
+        return json_response(200, self.cfg.public())
 
     async def control_stats(self, request: Request) -> Response:
         """Counters since the last reset, plus the in-memory sizes."""
-        return _json(200, {**self.stats, "emails_stored": len(self.emails), "idempotency_keys": len(self.idem),
+        return json_response(200, {**self.stats, "emails_stored": len(self.emails), "idempotency_keys": len(self.idem),
                            "inflight": len(self.inflight)})
 
     async def control_reset(self, request: Request) -> Response:
@@ -49,4 +49,4 @@ class ControlRoutes(EmulatorState):
         raw = await request.body()
         keep = bool(json.loads(raw).get("keep_config")) if raw.strip() else False
         self.reset(keep_config=keep)
-        return _json(200, {"ok": True})
+        return json_response(200, {"ok": True})

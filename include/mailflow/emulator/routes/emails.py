@@ -13,9 +13,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mailflow.emulator.responses import _AbortedResponse, _api_key_id, _sha
+from mailflow.emulator.responses import AbortedResponse, api_key_id, sha256_hex
 from mailflow.emulator.state import EmulatorState
-from mailflow.emulator.validation import ApiError, _check_address, validate_email_payload
+from mailflow.emulator.validation import ApiError, check_address, validate_email_payload
 
 log = logging.getLogger("mailflow.emulator")
 
@@ -50,7 +50,7 @@ class SendRoutes(EmulatorState):
                            f"The request body is {len(body)} bytes; the limit is {MAX_BODY_BYTES} bytes.")
         digest = hashlib.sha256(request.url.path.encode() + b"\0" + body).hexdigest()
         # scoped per API key; the key is kept hashed (the journal holds no secret)
-        slot = (_api_key_id(key), idem) if idem is not None else None
+        slot = (api_key_id(key), idem) if idem is not None else None
         if slot is not None:
             if slot in self.inflight:
                 raise ApiError(409, "concurrent_idempotent_requests", "Same idempotency key used while "
@@ -84,7 +84,7 @@ class SendRoutes(EmulatorState):
             log.info("reset_after_accept: %d email(s) accepted, response withheld (%s)", len(emails),
                      self.cfg.reset_mode)
             if self.cfg.reset_mode == "abort":
-                return _AbortedResponse(len(out), rl)
+                return AbortedResponse(len(out), rl)
             await asyncio.sleep(self.cfg.hang_seconds)
         return Response(out, status, headers=rl, media_type="application/json")
 
@@ -173,7 +173,7 @@ class SendRoutes(EmulatorState):
         if self.cfg.check_from_domain:
             verified = self.cfg.domain.lower()
             for email in emails:
-                domain = (_check_address(email["from"]) or "").rpartition("@")[2].rstrip(">")
+                domain = (check_address(email["from"]) or "").rpartition("@")[2].rstrip(">")
                 if not verified or (domain != verified and not domain.endswith("." + verified)):
                     raise ApiError(403, "validation_error", f"The {domain} domain is not verified. Please, add "
                                    "and verify your domain on https://resend.com/domains")
@@ -181,7 +181,7 @@ class SendRoutes(EmulatorState):
             owner = self.cfg.owner_email.strip().lower()
             for email in emails:
                 for addr in email["to"] + email["cc"] + email["bcc"]:
-                    if (_check_address(addr) or "").rpartition("<")[2].rstrip(">") != owner:
+                    if (check_address(addr) or "").rpartition("<")[2].rstrip(">") != owner:
                         raise ApiError(403, "validation_error", "You can only send testing emails to your own "
                                        f"email address ({owner}). To send emails to other recipients, please verify "
                                        "a domain at resend.com/domains, and change the `from` address to an email "
@@ -196,8 +196,8 @@ class SendRoutes(EmulatorState):
             line = {"id": r["id"], "from": r["from"], "to": r["to"], "cc": r["cc"], "bcc": r["bcc"],
                     "reply_to": r["reply_to"], "subject": r["subject"], "headers": r["headers"],
                     "tags": r["tags"], "idempotency_key": r["idempotency_key"], "batch_index": r["batch_index"],
-                    "received_at": r["received_at"], "text_sha256": _sha(r["text"]),
-                    "html_sha256": _sha(r["html"])}
+                    "received_at": r["received_at"], "text_sha256": sha256_hex(r["text"]),
+                    "html_sha256": sha256_hex(r["html"])}
             lines.append(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n")
         if self._outbox:
             self._outbox.write("".join(lines))

@@ -8,9 +8,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mailflow.emulator.responses import _json
+from mailflow.emulator.responses import json_response
 from mailflow.emulator.state import EmulatorState
-from mailflow.emulator.validation import ApiError, _check_address
+from mailflow.emulator.validation import ApiError, check_address
 
 _TEST_DOMAIN_EVENTS = {"bounced": "bounced", "complained": "complained", "delivered": "delivered"}
 
@@ -25,7 +25,7 @@ class ReadRoutes(EmulatorState):
             return "scheduled"
         events = set()
         for addr in rec["to"] + rec["cc"] + rec["bcc"]:
-            norm = _check_address(addr) or addr.lower()
+            norm = check_address(addr) or addr.lower()
             local, _, domain = norm.partition("@")
             if norm in self.cfg.bounce:
                 events.add("bounced")
@@ -57,7 +57,7 @@ class ReadRoutes(EmulatorState):
         rec = self.emails.get(request.path_params["email_id"])
         if rec is None:
             raise ApiError(404, "not_found", "Email not found")
-        return _json(200, self.email_object(rec, full=True), rl)
+        return json_response(200, self.email_object(rec, full=True), rl)
 
     async def list_emails(self, request: Request, key: str, rl: dict[str, str]) -> Response:
         """GET /emails?limit=&after=&before=: newest first, ``{"object":"list","has_more","data"}``."""
@@ -84,7 +84,7 @@ class ReadRoutes(EmulatorState):
             start = ids.index(after) + 1 if after is not None else 0
             page, has_more = ids[start:start + limit], len(ids) > start + limit
         data = [self.email_object(self.emails[i], full=False) for i in page]
-        return _json(200, {"object": "list", "has_more": has_more, "data": data}, rl)
+        return json_response(200, {"object": "list", "has_more": has_more, "data": data}, rl)
 
     async def domains(self, request: Request, key: str, rl: dict[str, str]) -> Response:
         """GET /domains: a cheap authenticated call for connection tests; one fake verified domain."""
@@ -95,4 +95,4 @@ class ReadRoutes(EmulatorState):
                          "status": "verified", "created_at": "2026-01-01 00:00:00.000000+00",
                          "region": "us-east-1", "open_tracking": False, "click_tracking": False,
                          "capabilities": {"sending": "enabled", "receiving": "disabled"}})
-        return _json(200, {"object": "list", "has_more": False, "data": data}, rl)
+        return json_response(200, {"object": "list", "has_more": False, "data": data}, rl)
