@@ -1,7 +1,9 @@
-"""Dispatch scans at 1,000,000 pending rows (issue 16, item 6): ``scheduled.cancel_suppressed_due``
+"""Dispatch scans at 1,000,000 pending rows (a claim must not cost more as the backlog grows):
+``scheduled.cancel_suppressed_due``
 (run before every claim), the statement before and after the change, timed with
 ``EXPLAIN (ANALYZE, BUFFERS)`` inside a transaction that is rolled back (it writes), median of 3.
-(Issue 12 removed the reconciler's dead-letter sweep, so there is no second scan to measure.)
+(The reconciler's dead-letter sweep is gone: a whole-request failure no longer dead-letters anyone,
+so there is no second scan to measure.)
 
 Population (generated in PostgreSQL, about a minute): one active scheduled campaign with 1,000,000
 pending rows, all due (a backlog: a paused campaign resumed, or a provider outage), over users
@@ -26,7 +28,7 @@ import psycopg
 from bench.common import metric, scratch_database
 from mailflow.store.sql import query
 
-#: The statements as they were before issue 16 (for the before/after).
+#: The statements as they were before the due queue was read head first (for the before/after).
 CANCEL_BEFORE = """
 with hit as materialized (
     select d.id

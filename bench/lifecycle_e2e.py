@@ -1,4 +1,4 @@
-"""End-to-end lifecycle utilisation (issue 16's headline): accepted emails per second of a real
+"""End-to-end lifecycle utilisation (the headline number of the pipelined engine): accepted emails per second of a real
 lifecycle run over the configured target rate.
 
 The real engine (:func:`mailflow.sources.lifecycle.run_lifecycle`), :class:`~mailflow.store.send_log.PostgresStore`,
@@ -15,7 +15,7 @@ what each run wrote is deleted after it, so every configuration meets the same a
   ``cap x fraction x 100`` emails/s. Target >= 0.95, 0 x 429, 0 duplicates (outbox lines versus
   rows marked sent).
 * **Pipelining** (``--pipelined``/``--no-pipelined``, default on): ``run_lifecycle(pipelined=True)``
-  (issue 16 item 1: chunk N+1 is paged, minted, rendered and stored while chunk N is in flight,
+  (chunk N+1 is paged, minted, rendered and stored while chunk N is in flight,
   as the Airflow task runs it). With it on, the unpipelined engine also runs at 0.95 in the same
   population, for comparison (``..._unpipelined``); ``params.pipelined`` says which engine ran.
 * **Naive per-email loop**: the same audience pages, per email: INSERT its row (own transaction),
@@ -64,7 +64,7 @@ TARGET = 0.95
 
 
 def engine_supports_pipelining() -> bool:
-    """True once ``run_lifecycle`` takes a ``pipelined`` keyword (issue 16 item 1)."""
+    """True once ``run_lifecycle`` takes a ``pipelined`` keyword (pipelined sending)."""
     return "pipelined" in inspect.signature(run_lifecycle).parameters
 
 
@@ -172,7 +172,7 @@ def run(dsn: str, quick: bool = False, pipelined: bool = True) -> list[dict[str,
     interval = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)
     out: list[dict[str, Any]] = []
     note = ("engine pipelining on" if engine_supports_pipelining() and pipelined else
-            "off by the flag" if engine_supports_pipelining() else "not in the engine yet (issue 16 item 1): "
+            "off by the flag" if engine_supports_pipelining() else "not in the engine yet (pipelined sending): "
             "the current, unpipelined engine ran")
     outbox = Path(mkdtemp(prefix="mailflow-bench-e2e-")) / "outbox.jsonl"
     with population.shared_copy(dsn, users, "e2e", log=print) as (sdsn, pop), \
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=True,
-                   help="pipelined engine (issue 16 item 1); --no-pipelined runs only the unpipelined engine")
+                   help="pipelined engine (the next chunk prepared while one is in flight); --no-pipelined runs only the unpipelined engine")
     args = p.parse_args(argv)
     for m in run(args.dsn, quick=args.quick, pipelined=args.pipelined):
         print(f"{m['name']}: {m['value']:.4g} {m['unit']}")

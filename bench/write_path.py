@@ -1,4 +1,4 @@
-"""Write-path cost of the send log's indexes (issue 16, item 5): what the analytics indexes of
+"""Write-path cost of the send log's indexes (every index costs WAL on every apply): what the analytics indexes of
 migration 0004 (built by 0009) cost per mint and per apply of a chunk of 100 emails, and the schema
 before and after 0011, which dropped the ones that did not earn it.
 

@@ -1,5 +1,5 @@
 """How long do readers and writers of ``mail.send_log`` wait while the send log is upgraded from
-migration 0003 to head? (issue 13: "at 1M rows, a reader's wait during the upgrade is under 1 s")
+migration 0003 to head? (the goal: "at 1M rows, a reader's wait during the upgrade is under 1 s")
 
     PYTHONPATH=include python scripts/migration_lock_wait.py --dsn postgresql://postgres@127.0.0.1/postgres --rows 1000000
 

@@ -37,8 +37,11 @@ from typing import Any
 
 import psycopg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from airflow_local import (  # noqa: E402
+from mailflow import cli
+from mailflow.emulator.testing import EmulatorProcess  # noqa: E402
+from mailflow.store.migrate import migrate  # noqa: E402
+from mailflow_dev import devenv  # noqa: E402
+from mailflow_dev.airflow_local import (
     ROOT,
     VENV_BIN,
     AirflowApi,
@@ -49,11 +52,6 @@ from airflow_local import (  # noqa: E402
     mailflow_connections,
     stop_all,
 )
-
-from mailflow import cli
-from mailflow.emulator.testing import EmulatorProcess  # noqa: E402
-from mailflow.store.migrate import migrate  # noqa: E402
-from mailflow_dev import devenv  # noqa: E402
 from mailflow_dev.demo.loader import load_demo_data  # noqa: E402
 from mailflow_dev.loadgen import max_in_window  # noqa: E402
 
@@ -123,8 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                            requests_per_second=CAP),
                           extra={"AIRFLOW__CELERY__BROKER_URL": args.redis,
                                  "AIRFLOW__OPERATORS__DEFAULT_QUEUE": queue,
-                                 "AIRFLOW__CORE__HOSTNAME_CALLABLE": "airflow_local.worker_hostname",
-                                 "PYTHONPATH": str(ROOT / "scripts")})
+                                 "AIRFLOW__CORE__HOSTNAME_CALLABLE": "mailflow_dev.airflow_local.worker_hostname",
+                                 "PYTHONPATH": str(ROOT / "include")})
         airflow = str(VENV_BIN / "airflow")
         airflow_cli(env, "db", "migrate")
         for name, cmd in (("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"]),

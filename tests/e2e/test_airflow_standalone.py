@@ -32,7 +32,6 @@ would otherwise create a second scheduled run whose 2-day window takes the late-
 from __future__ import annotations
 
 import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -49,9 +48,7 @@ from mailflow import cli
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.store.migrate import migrate
 from mailflow_dev import devenv
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from airflow_local import (  # noqa: E402
+from mailflow_dev.airflow_local import (
     VENV_BIN,
     AirflowApi,
     Proc,

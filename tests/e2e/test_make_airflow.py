@@ -34,9 +34,7 @@ import pytest
 from conftest import ROOT
 
 from mailflow_dev import devenv
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from airflow_local import AirflowApi, free_port, group_alive  # noqa: E402
+from mailflow_dev.airflow_local import AirflowApi, free_port, group_alive
 
 pytestmark = pytest.mark.slow
 CHROMIUM = Path("/usr/bin/chromium")

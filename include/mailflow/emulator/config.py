@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from mailflow.emulator.validation import _check_address
+from mailflow.emulator.validation import check_address
 
 
 @dataclass
@@ -106,7 +106,7 @@ def coerce_update(cfg: EmulatorConfig, update: dict[str, Any]) -> EmulatorConfig
                 raise ValueError(f"{key} must be a list of {'keys' if key.endswith('_keys') else 'addresses'}")
             value = tuple(items)
         elif key == "owner_email":
-            if not isinstance(value, str) or _check_address(value) is None:
+            if not isinstance(value, str) or check_address(value) is None:
                 raise ValueError("owner_email must be an email address")
         elif key in ("strict_only", "scramble_order", "store_bodies", "check_from_domain", "test_only",
                      "outage"):

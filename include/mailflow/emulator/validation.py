@@ -40,7 +40,7 @@ def _full_check(value: str) -> str | None:
     return str(info.normalized).lower()
 
 
-def _check_address(value: str) -> str | None:
+def check_address(value: str) -> str | None:
     """The normalised lower-case address of ``addr`` or ``Name <addr>``, or None if invalid.
 
     The verdict is email_validator's (check_deliverability=False); simple addresses reuse its
@@ -66,7 +66,7 @@ def _addresses(email: dict[str, Any], field: str, required: bool) -> list[str]:
     if len(items) > MAX_RECIPIENTS:
         raise ApiError(422, "validation_error", f"Too many recipients in `{field}`: the maximum is {MAX_RECIPIENTS}.")
     for addr in items:
-        if _check_address(addr) is None:
+        if check_address(addr) is None:
             raise ApiError(422, "validation_error", f"Invalid `{field}` field. The email address {ADDRESS_FORMAT}")
     return [a.strip() for a in items]
 
@@ -78,7 +78,7 @@ def validate_email_payload(email: Any, in_batch: bool) -> dict[str, Any]:
     frm = email.get("from")
     if frm is None:
         raise ApiError(422, "missing_required_field", "Missing `from` field.")
-    if not isinstance(frm, str) or _check_address(frm) is None:
+    if not isinstance(frm, str) or check_address(frm) is None:
         raise ApiError(422, "validation_error", f"Invalid `from` field. The email address {ADDRESS_FORMAT}")
     to = _addresses(email, "to", required=True)
     subject = email.get("subject")

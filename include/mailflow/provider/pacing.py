@@ -26,7 +26,7 @@ is whole seconds (Resend, IETF RateLimit fields), and in a paced stream the olde
 full window leaves it within about one slot at the full cap; waiting the whole reset would halve
 the rate at a target fraction near 1. Counted from the response instead, the hold added the
 request's latency to every full window: at 0.95 ten requests span 945 ms, so every window is full,
-and 1M-user runs lost a tenth of their slots to it (issue 16). A real overshoot answers 429, which waits
+and 1M-user runs lost a tenth of their slots to it. A real overshoot answers 429, which waits
 Retry-After and lowers the shared rate.
 
 **Every hold is bounded.** Nothing a provider says can hold the shared schedule longer than the

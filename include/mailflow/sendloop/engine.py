@@ -38,7 +38,8 @@ class BatchProvider(Protocol):
 def reserve_slot(provider: object, deadline: float, clock: Clock) -> float | None:
     """The start time (``clock.monotonic()``) of the provider's next request slot, claimed now, or
     None if it starts after ``deadline``. Called BEFORE a chunk is minted or claimed, so the budget
-    covers the wait for the slot and a minted chunk is always sent (issue 12)."""
+    covers the wait for the slot and a minted chunk is always sent (a run that ran out of time
+    after minting would otherwise leave claimed rows for the reconciler instead of sending them)."""
     reserve = getattr(provider, "reserve_slot", None)
     if reserve is None:
         now = clock.monotonic()
@@ -156,7 +157,8 @@ class InFlight:
 
 
 class ChunkPipeline:
-    """Pipelined sending (issue 16): at most ONE chunk in flight while the caller prepares the next.
+    """Pipelined sending (the provider's wait is spent preparing the next chunk instead of idling):
+    at most ONE chunk in flight while the caller prepares the next.
 
     ``submit`` starts the provider call of a stored chunk (its rows ``sending`` with their batch
     bytes: recoverable by the reconciler) on a single background thread (the provider is

@@ -193,7 +193,8 @@ class PostgresStore:
     def open_audience(self, campaign: Campaign, window: tuple[datetime, datetime], cooldown_since: datetime) -> int:
         """Evaluate the campaign's eligible audience ONCE (``lifecycle.eligible``: the anti-joins, then
         one contact-policy probe per remaining candidate) into a temporary table of this session
-        keyed by user_id, in one statement (issue 16: one audience snapshot per campaign per run;
+        keyed by user_id, in one statement (one audience snapshot per campaign per run, because
+        evaluating the audience page by page cost seconds per campaign at 1M users;
         ``lifecycle.snapshot_create``), then keys it (``snapshot_key``). Until :meth:`close_audience`,
         :meth:`mint_chunk` pages from it (~1 ms a page) and re-checks each user at mint (suppression
         by user and address, the contact policy under the contact guard, the (user, campaign) key),

@@ -1,4 +1,4 @@
--- 0006: the outcome model (issue 12).
+-- 0006: the outcome model (a request proven not processed is told apart from an ambiguous one).
 -- * mail.installation: one random id per database, created here once. It is part of every
 --   idempotency key, so two databases sharing one provider team (staging and production, a
 --   restored backup, a `demo --reset`) never send one key with two bodies (Resend: 409

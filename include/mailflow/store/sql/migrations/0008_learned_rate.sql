@@ -1,8 +1,8 @@
--- 0008 (issue 16): the provider's learned rate limit lives with the shared slot schedule, so every process
+-- 0008: the provider's learned rate limit lives with the shared slot schedule, so every process
 -- and worker starts from what the provider said, not from its connection's default.
 -- One transaction. ADD COLUMN with constant defaults: no table rewrite, a brief lock on the small
--- mail.rate_slot. (A partial index for the reconciler's dead-letter sweep was here briefly; issue 12
--- removed that sweep, so the index went too. A database that applied that version of 0008 can
+-- mail.rate_slot. (A partial index for the reconciler's dead-letter sweep was here briefly; the sweep
+-- was removed (a whole-request failure no longer dead-letters anyone), so the index went too. A database that applied that version of 0008 can
 -- drop it: drop index concurrently if exists mail.send_log_released_at_idx.)
 alter table mail.rate_slot
     add column if not exists limit_per_second     double precision check (limit_per_second > 0),

@@ -1,5 +1,5 @@
 -- migrate: no-transaction
--- 0010 (issue 16): the contact probes of the audience snapshot and of the contact guard read a
+-- 0010 (the audience snapshot at 1M users): the contact probes of the audience snapshot and of the contact guard read a
 -- user's contacts from one covering index, built CONCURRENTLY (no lock that blocks reads or writes
 -- of mail.send_log; an interrupted build leaves an INVALID index that the next run drops and
 -- rebuilds, mailflow.migrate).

@@ -1,5 +1,5 @@
 -- migrate: no-transaction
--- 0011 (issue 16, item 5): the write path keeps only the analytics indexes that earn their cost.
+-- 0011 (each index costs WAL on every apply): the write path keeps only the analytics indexes that earn their cost.
 -- Run statement by statement outside a transaction (mailflow.migrate): the view first, so every
 -- reader it serves has it before the index goes; DROP INDEX CONCURRENTLY waits for the transactions
 -- using the index and blocks no reader or writer of mail.send_log.

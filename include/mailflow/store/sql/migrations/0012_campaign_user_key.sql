@@ -1,5 +1,5 @@
 -- migrate: no-transaction
--- 0012 (issue 16, item 2): the live (user, campaign) key of 0001, send_log_user_campaign_uq
+-- 0012 (the audience snapshot probes one campaign at a time): the live (user, campaign) key of 0001, send_log_user_campaign_uq
 -- (user_id, campaign) WHERE released_at IS NULL, keyed by campaign first instead: the same unique
 -- rule on the same rows, so every INSERT ... ON CONFLICT (user_id, campaign) WHERE released_at IS NULL
 -- infers it as its arbiter (inference matches the set of columns, not their order) and a lookup of

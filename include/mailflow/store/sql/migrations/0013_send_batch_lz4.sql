@@ -1,4 +1,4 @@
--- 0013 (issue 16): the batch bytes (mail.send_batch.body, ~100-150 kB per chunk of 100 emails) are
+-- 0013: the batch bytes (mail.send_batch.body, ~100-150 kB per chunk of 100 emails) are
 -- TOAST-compressed with lz4 instead of pglz where the server supports it: the mint stores one body
 -- per chunk inside its transaction, and pglz cost 2-5 ms of it (measured at 100-300 kB on
 -- PostgreSQL 15 here: 8.6 ms vs 3.9 ms per 300 kB insert, and lz4's output was 40 percent smaller).

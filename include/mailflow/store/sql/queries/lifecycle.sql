@@ -94,7 +94,7 @@ order by e.user_id
 limit %(limit)s
 
 -- name: snapshot_create
--- The run's audience snapshot of one campaign (issue 16), evaluated ONCE for this run: a temporary
+-- The run's audience snapshot of one campaign, evaluated ONCE for this run: a temporary
 -- table of this session with the audience's own columns (lifecycle.eligible composed with a.*:
 -- dedupe, suppression and the contact policy in the one statement), dropped when the campaign ends
 -- (or with the session). The table's name is generated; snapshot_key then makes user_id its key.
@@ -180,7 +180,7 @@ select e.user_id from (
 ) as e
 
 -- name: mint
--- (The mint before issue 16, kept as the "before" of python -m bench.write_path --mint assign: rows
+-- (The mint before ids were allocated first (mint.allocate), kept as the "before" of python -m bench.write_path --mint assign: rows
 -- INSERTed without their key, then send_log.assign_batch UPDATEs each; the engine uses mint.mint_keyed.)
 -- Mint one chunk as claimed ('sending') rows, under the contact guard (the caller holds the users'
 -- mail.contact locks, has re-checked the policy and holds the addresses). ON CONFLICT DO NOTHING on

@@ -1,5 +1,5 @@
 -- name: allocate
--- Ids for a chunk that is about to be minted, and its batch serial, BEFORE the rows exist (issue 16):
+-- Ids for a chunk that is about to be minted, and its batch serial, BEFORE the rows exist:
 -- the renderer needs each row's id (X-Mailflow-Send-Id) and the key needs the body, so with the ids
 -- allocated first the rows are inserted once, already carrying their batch key and request index
 -- (the old mint INSERTed, rendered, then UPDATEd every row with its key: a second, non-HOT version

@@ -97,7 +97,7 @@ where id = %(id)s
 -- campaign) are cancelled before anything is claimed; rows another dispatcher holds are skipped.
 -- Only the head of the due queue is checked: the first 1,000 due rows (ten full batches) in
 -- scheduled_at order, read through send_log_pending_due_idx with a LIMIT, so a claim costs the
--- same at 1,000 or 1,000,000 due rows (issue 16: the whole backlog was probed on every claim).
+-- same at 1,000 or 1,000,000 due rows (probing the whole backlog on every claim grew with it).
 -- Complete all the same: pick_due never takes a suppressed row (its own NOT EXISTS) and picks in
 -- the same order, so every suppressed row reaches the head, and is cancelled there, before the
 -- rows after it are sent; a head made only of suppressed rows is cancelled 1,000 per claim.
