@@ -45,10 +45,10 @@ from typing import Any
 
 import psycopg
 
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import NotSent, PreparedBatch, Refused, RunContext
 from mailflow.provider.breaker import CircuitBreaker, is_answer, key_refused
-from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import BatchProvider, _send, key_identity_of, reserve_slot
-from mailflow.sendloop.outcome import NotSent, PreparedBatch, Refused, RunContext
 from mailflow.store.send_log import PostgresStore, mask_email
 from mailflow.store.sql import query
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from mailflow.campaigns.templating import check_campaign_templates
-from mailflow.sendloop.outcome import DataInterval, as_timedelta
+from mailflow.model.outcome import DataInterval, as_timedelta
 from mailflow.store.policy import Cap, ContactPolicy, policy_from_mapping
 
 CAMPAIGNS_DIR = Path(__file__).parent

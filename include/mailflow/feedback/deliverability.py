@@ -49,9 +49,9 @@ from typing import Any
 import httpx
 import psycopg
 
+from mailflow.model.outcome import RunContext
 from mailflow.provider.client import ResendClient, _error_fields, parse_retry_after
 from mailflow.provider.errors import describe_refusal
-from mailflow.sendloop.outcome import RunContext
 from mailflow.store.policy import mailbox_key
 from mailflow.store.policy import normalise_address as check_address
 from mailflow.store.sql import query

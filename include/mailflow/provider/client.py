@@ -42,11 +42,11 @@ from typing import Any
 
 import httpx
 
+from mailflow.model.apply_by_index import reconcile_by_index
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import NotSent, Outcome, PreparedBatch, Refused, Unknown
 from mailflow.provider.errors import describe_refusal
 from mailflow.provider.pacing import DEFAULT_MAX_HOLD_SECONDS, Pacer, check_max_hold, late_tolerance
-from mailflow.sendloop.apply_by_index import reconcile_by_index
-from mailflow.sendloop.clock import Clock, SystemClock
-from mailflow.sendloop.outcome import NotSent, Outcome, PreparedBatch, Refused, Unknown
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ import httpx
 import psycopg
 from airflow.sdk import BaseHook
 
+from mailflow.model.clock import Clock
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import (
     DEFAULT_MAX_HOLD_SECONDS,
@@ -27,7 +28,6 @@ from mailflow.provider.pacing import (
     PostgresPacer,
     check_max_hold,
 )
-from mailflow.sendloop.clock import Clock
 
 DEFAULT_BASE_URL = "https://api.resend.com"
 

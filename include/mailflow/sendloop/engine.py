@@ -6,7 +6,7 @@ slot before a chunk is minted or claimed (:func:`reserve_slot`).
 Both sources call it (:mod:`mailflow.sources.lifecycle`, :mod:`mailflow.sources.scheduled`), and
 so does the reconciler. It sees three narrow things: a store (:class:`~mailflow.store.send_log.Store`),
 a provider with ``send_batch(batch, deadline) -> Outcome`` and a
-:class:`~mailflow.sendloop.clock.Clock`; it is tested without Airflow.
+:class:`~mailflow.model.clock.Clock`; it is tested without Airflow.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from mailflow.sendloop.clock import Clock
-from mailflow.sendloop.outcome import MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext
+from mailflow.model.clock import Clock
+from mailflow.model.outcome import MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext
 from mailflow.store.send_log import Applied, Store
 
 log = logging.getLogger(__name__)

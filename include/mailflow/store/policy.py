@@ -41,7 +41,7 @@ from typing import Any
 
 import email_validator
 
-from mailflow.sendloop.outcome import as_timedelta
+from mailflow.model.outcome import as_timedelta
 
 #: Statuses whose rows are contacts (see the module docstring); ``pending`` only for lifecycle mail.
 CONTACT_STATES = ("sent", "sending")

@@ -19,10 +19,10 @@ import httpx
 import psycopg
 
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.clock import Clock, FakeClock, SystemClock
+from mailflow.model.outcome import RunContext, SendError
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.clock import Clock, FakeClock, SystemClock
-from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sendloop.render import Renderer
 from mailflow_dev.chaos.scenarios import CLIENT_READ_TIMEOUT, INTERVAL, UNEXPECTED, ActorSpec, Plan
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.outcome import DataInterval
+from mailflow.model.outcome import DataInterval
 
 ANCHOR = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 INTERVAL = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)

@@ -27,7 +27,7 @@ from scheduled_rig import (
 )
 
 from mailflow.cli import main as cli_main
-from mailflow.sendloop.outcome import NotSent, PreparedBatch, SendError
+from mailflow.model.outcome import NotSent, PreparedBatch, SendError
 from mailflow.sources import scheduled
 from mailflow.store.migrate import migrate, migration_files
 from mailflow.store.policy import ContactPolicy

@@ -25,9 +25,9 @@ from scheduled_rig import (
     utc,
 )
 
+from mailflow.model.outcome import RunContext, SendError
 from mailflow.provider.client import RetryPolicy
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled import CampaignStateError, DispatchSummary, claiming
 from mailflow.sources.scheduled.planning import PlanSpec, plan_send_times

@@ -19,7 +19,7 @@ from lifecycle_rig import Rig as LRig
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
-from mailflow.sendloop.outcome import DataInterval, SendError
+from mailflow.model.outcome import DataInterval, SendError
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled.planning import plan_day, plan_send_times

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
+from mailflow.model.outcome import MintedRow, PreparedBatch
 from mailflow.provider.client import ResendClient, key_identity
 from mailflow.sendloop.engine import _send, key_identity_of, stamp_identity
-from mailflow.sendloop.outcome import MintedRow, PreparedBatch
 
 
 class _Pacer:

@@ -12,7 +12,7 @@ from psycopg import sql as pgsql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.planning import PlanSpec, _day_bounds
 from mailflow.store.sql import query
 

@@ -18,8 +18,8 @@ import jinja2
 import psycopg
 
 from mailflow.campaigns import Campaign
+from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
 from mailflow.sendloop.engine import send_chunk
-from mailflow.sendloop.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _one
 from mailflow.sources.scheduled.planning import _local_midnight, plan_day, plan_send_times, plan_spec

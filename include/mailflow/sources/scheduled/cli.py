@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import CampaignStateError, _json_default
 from mailflow.sources.scheduled.control import cancel, complete, pause, resume, status
 from mailflow.sources.scheduled.provisioning import provision

@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import (
     CampaignStateError,
     _actor,

@@ -10,9 +10,10 @@ from typing import Any
 
 import psycopg
 
+from mailflow.model.apply_by_index import campaign_field
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
 from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
-from mailflow.sendloop.apply_by_index import campaign_field
-from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import (
     MAX_BATCH,
     ChunkPipeline,
@@ -21,7 +22,6 @@ from mailflow.sendloop.engine import (
     release_unsent,
     reserve_slot,
 )
-from mailflow.sendloop.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _actor
 from mailflow.sources.scheduled.claiming import DispatchSummary, _Claim, _Dispatcher

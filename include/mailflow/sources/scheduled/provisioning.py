@@ -18,7 +18,7 @@ from psycopg.types.json import Jsonb
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR
 from mailflow.campaigns.templating import check_campaign_templates, subject_template
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import _actor, _event, _lock, _one, _used_on_day
 from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
 from mailflow.sources.scheduled.spec import _TABLE, _check_templates, _recipients_file
