@@ -74,6 +74,18 @@ def declared_names(path: Path | None = None) -> list[str]:
     return [str(c["name"]) for c in doc.get("campaign", []) if "name" in c]
 
 
+def load_policy(path: Path | None = None) -> ContactPolicy:
+    """The policy of ``campaigns/lifecycle.toml`` (or ``path``): its ``[policy]`` section, the cooldown
+    falling back to ``[defaults].cooldown`` (then 7 days).
+
+    :raises ValueError: for a bad entry (naming it).
+    """
+    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
+    doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    default = str(doc.get("defaults", {}).get("cooldown", "P7D"))
+    return policy_from_mapping(doc.get("policy", {}), default_cooldown=default, label=f"{path.name} [policy]")
+
+
 def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> list[Campaign]:
     """Load and validate campaigns from a TOML file, sorted by priority.
 

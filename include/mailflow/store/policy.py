@@ -31,12 +31,10 @@ The contact guard locks and counts mailboxes as well as users (``mail.mailbox``)
 
 from __future__ import annotations
 
-import tomllib
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import email_validator
@@ -103,20 +101,6 @@ def policy_from_mapping(raw: Mapping[str, Any], *, default_cooldown: str = "P7D"
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{label}: {exc}") from None
     return ContactPolicy(cooldown=cooldown, caps=tuple(caps))
-
-
-def load_policy(path: Path | None = None) -> ContactPolicy:
-    """The policy of ``campaigns/lifecycle.toml`` (or ``path``): its ``[policy]`` section, the cooldown
-    falling back to ``[defaults].cooldown`` (then 7 days).
-
-    :raises ValueError: for a bad entry (naming it).
-    """
-    from mailflow.campaigns import CAMPAIGNS_DIR
-
-    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
-    doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    default = str(doc.get("defaults", {}).get("cooldown", "P7D"))
-    return policy_from_mapping(doc.get("policy", {}), default_cooldown=default, label=f"{path.name} [policy]")
 
 
 # -- evaluation ------------------------------------------------------------------------------------

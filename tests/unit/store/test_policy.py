@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from mailflow.campaigns import CAMPAIGNS_DIR, load_campaigns
+from mailflow.campaigns import CAMPAIGNS_DIR, load_campaigns, load_policy
 from mailflow.store.policy import (
     Cap,
     Contact,
     ContactPolicy,
     evaluate,
-    load_policy,
     mailbox_key,
     normalise_address,
     policy_from_mapping,
