@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mailflow.campaigns.templating import check_campaign_templates
 from mailflow.model.outcome import DataInterval, as_timedelta
-from mailflow.store.policy import Cap, ContactPolicy, policy_from_mapping
+from mailflow.model.policy import Cap, ContactPolicy, policy_from_mapping
 
 CAMPAIGNS_DIR = Path(__file__).parent
 _REQUIRED = ("name", "priority", "audience", "template", "subject")

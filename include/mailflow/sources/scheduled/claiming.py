@@ -19,12 +19,13 @@ import psycopg
 
 from mailflow.campaigns import Campaign, load_policy
 from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
+from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _one
 from mailflow.sources.scheduled.planning import _local_midnight, plan_day, plan_send_times, plan_spec
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
-from mailflow.store.policy import ContactPolicy, Hold, evaluate, normalise_address
+from mailflow.store.policy import Hold, evaluate, normalise_address
 from mailflow.store.send_log import PostgresStore
 from mailflow.store.sql import query
 

@@ -13,6 +13,7 @@ import psycopg
 from mailflow.model.apply_by_index import campaign_field
 from mailflow.model.clock import Clock, SystemClock
 from mailflow.model.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
+from mailflow.model.policy import ContactPolicy
 from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
 from mailflow.sendloop.engine import (
     MAX_BATCH,
@@ -26,7 +27,6 @@ from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import _actor
 from mailflow.sources.scheduled.claiming import DispatchSummary, _Claim, _Dispatcher
 from mailflow.sources.scheduled.control import complete, hold
-from mailflow.store.policy import ContactPolicy
 
 log = logging.getLogger(__name__)
 
