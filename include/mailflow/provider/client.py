@@ -317,7 +317,7 @@ class ResendClient:
             else:
                 self.pacer.observe(resp.headers, since_start=self.clock.monotonic() - started)
                 status = resp.status_code
-                name, message = _error_fields(resp)
+                name, message = error_fields(resp)
                 if 200 <= status < 300:
                     try:
                         payload = resp.json()
@@ -420,7 +420,7 @@ def refused_request(status: int, name: str, message: str, conn_id: str) -> Reque
     return None
 
 
-def _error_fields(resp: httpx.Response) -> tuple[str, str]:
+def error_fields(resp: httpx.Response) -> tuple[str, str]:
     """``(name, message)`` of a Resend error body; tolerant of non-JSON bodies."""
     if resp.status_code < 400:
         return "", ""

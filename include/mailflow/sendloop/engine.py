@@ -104,7 +104,7 @@ def send_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Sequenc
     :param slot: the reserved start of the first request (see :func:`reserve_slot`).
     :returns: the last outcome, the row changes summed over all attempts, and the last batch sent.
     """
-    return finish_chunk(store, provider, prepare, batch, rows, _send(provider, batch, deadline, slot), deadline, run)
+    return finish_chunk(store, provider, prepare, batch, rows, send_prepared(provider, batch, deadline, slot), deadline, run)
 
 
 def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Sequence[MintedRow]], PreparedBatch],
@@ -117,7 +117,7 @@ def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Seque
         log.info("%s: batch %s refused by strict validation (%s); resending the chunk permissive under a new key",
                  batch.campaign, batch.idempotency_key, outcome.reason)
         batch = store.rebatch(dataclasses.replace(prepare(rows), validation="permissive"))
-        outcome = _send(provider, batch, deadline, None)
+        outcome = send_prepared(provider, batch, deadline, None)
         total = total + store.apply(batch, outcome, run)
     return outcome, total, batch
 
@@ -127,7 +127,7 @@ def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Seque
 CLAIM_AT_SEND = float("-inf")
 
 
-def _send(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
+def send_prepared(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
     sender = key_identity_of(provider)
     if batch.key_identity is not None and sender is not None and batch.key_identity != sender:
         # the provider may scope idempotency keys per API key: under another key the same key and
@@ -197,16 +197,16 @@ class ChunkPipeline:
         if self._inflight is not None:
             raise RuntimeError("a chunk is already in flight: collect() it first")
         if self._pool is None:
-            chunk.outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
+            chunk.outcome = send_prepared(self.provider, chunk.batch, chunk.deadline, slot)
         elif self._apply_store is not None:
             self._done = self._pool.submit(self._send_and_apply, self._apply_store, chunk, slot)
         else:
-            chunk.future = self._pool.submit(_send, self.provider, chunk.batch, chunk.deadline, slot)
+            chunk.future = self._pool.submit(send_prepared, self.provider, chunk.batch, chunk.deadline, slot)
         self._inflight = chunk
 
     def _send_and_apply(self, store: Store, chunk: InFlight, slot: float | None) -> tuple[Outcome, Applied, PreparedBatch]:
         """The sender thread's whole job for one chunk when it has its own store."""
-        outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
+        outcome = send_prepared(self.provider, chunk.batch, chunk.deadline, slot)
         return finish_chunk(store, self.provider, chunk.prepare, chunk.batch, chunk.rows, outcome, chunk.deadline,
                             self.run)
 

@@ -50,7 +50,7 @@ def _install_kill(plan: Plan) -> None:
     if plan.point == "before_mint":
         PostgresStore.mint_chunk = before(PostgresStore.mint_chunk)  # type: ignore[method-assign]
     elif plan.point == "before_claim":
-        claiming._Dispatcher.claim = before(claiming._Dispatcher.claim)  # type: ignore[method-assign]
+        claiming.Dispatcher.claim = before(claiming.Dispatcher.claim)  # type: ignore[method-assign]
         repair.reserve_slot = before(repair.reserve_slot)  # the reconciler reserves, then claims
     elif plan.point == "before_apply":
         orig_apply = PostgresStore.apply

@@ -135,7 +135,7 @@ class ActorSpec:
     slow_pacer: bool = False
 
 
-def _scenario_faults(scn: Scenario, emails: list[str], rng: random.Random) -> dict[str, Any]:
+def scenario_faults(scn: Scenario, emails: list[str], rng: random.Random) -> dict[str, Any]:
     faults = dict(scn.faults)
     if "suppress" in faults:  # a few real recipients of the scenario
         pick = rng.sample(emails, min(len(emails), 20))

@@ -22,8 +22,8 @@ from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, 
 from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.campaign_db import _one
-from mailflow.sources.scheduled.planning import _local_midnight, plan_day, plan_send_times, plan_spec
+from mailflow.sources.scheduled.campaign_db import fetch_one
+from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_send_times, plan_spec
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
 from mailflow.store.policy import Hold, evaluate, normalise_address
 from mailflow.store.send_log import PostgresStore
@@ -87,7 +87,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     """
     spec = plan_spec(c)
     first = min(f for _, f in held)
-    since = _local_midnight(plan_day(spec, first), spec)
+    since = local_midnight(plan_day(spec, first), spec)
     day_start = timedelta(hours=spec.day_start.hour, minutes=spec.day_start.minute, seconds=spec.day_start.second)
     counts: dict[date, int] = {d: int(n) for d, n in conn.execute(query("scheduled", "day_counts"), {
         "campaign": c["name"], "tz": spec.timezone, "since": since, "day_start": day_start}).fetchall()}
@@ -99,7 +99,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
         for _ in range(PLAN_HORIZON_DAYS):  # the planner's own bound on days without window time
             if day.isoweekday() in spec.weekdays and counts.get(day, 0) < spec.emails_per_day:
                 if day not in days:
-                    floor = max(start, _local_midnight(day, spec))
+                    floor = max(start, local_midnight(day, spec))
                     days[day] = [t for t in plan_send_times(spec, spec.emails_per_day, floor)
                                  if plan_day(spec, t) == day]
                 free = days[day]
@@ -109,7 +109,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
                     counts[day] = counts.get(day, 0) + 1
                     break
             day += timedelta(days=1)
-            start = max(start, _local_midnight(day, spec))
+            start = max(start, local_midnight(day, spec))
         else:
             log.warning("campaign %s: row %d has no planned slot within %d days after %s: skipped",
                         c["name"], rid, PLAN_HORIZON_DAYS, free_at.isoformat())
@@ -125,7 +125,7 @@ def _render_campaign(c: Mapping[str, Any]) -> Campaign:
 
 
 @dataclass
-class _Claim:
+class Claim:
     campaign: Campaign
     rows: tuple[MintedRow, ...]
     attempts: dict[int, int]
@@ -135,7 +135,7 @@ class _Claim:
     decided: dict[str, int] = field(default_factory=dict)  # rows decided without a request, by status
 
 
-class _Dispatcher:
+class Dispatcher:
     """One dispatch call's state: the connection, the lifecycle store (apply, rebatch, batches)."""
 
     def __init__(self, conn: psycopg.Connection, renderer: Renderer, run: RunContext, batch_size: int,
@@ -166,13 +166,13 @@ class _Dispatcher:
 
     def _campaign(self, name: str) -> Campaign:
         if name not in self.campaigns:
-            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            c = fetch_one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaigns[name] = _render_campaign(c)
         return self.campaigns[name]
 
-    def claim(self) -> tuple[int, _Claim | None]:
+    def claim(self) -> tuple[int, Claim | None]:
         """Cancel suppressed due rows, pick one campaign's due rows, pass them through the contact
         guard, claim the rest, render and store the batch: one transaction (a crash leaves either
         pending rows or sending rows with their bytes).
@@ -213,7 +213,7 @@ class _Dispatcher:
                 k = "deferred" if st == "pending" else st
                 counts[k] = counts.get(k, 0) + 1
             if not found:
-                return suppressed + counts.pop("cancelled", 0), _Claim(
+                return suppressed + counts.pop("cancelled", 0), Claim(
                     self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
             suppressed += counts.pop("cancelled", 0)
             campaign = self._campaign(str(found[0][4]))
@@ -243,11 +243,11 @@ class _Dispatcher:
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
-        return suppressed, _Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
+        return suppressed, Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:
-            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            c = fetch_one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaign_rows[name] = c
@@ -313,7 +313,7 @@ class _Dispatcher:
                                            "after that (every plan day full or without window time): skipped", None)
         return out
 
-    def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary,
+    def send(self, claim: Claim, provider: Any, deadline: float, summary: DispatchSummary,
              slot: float | None = None) -> Outcome:
         assert claim.batch is not None
         campaign = claim.campaign
@@ -322,7 +322,7 @@ class _Dispatcher:
         self.count(claim, outcome, applied, batch, summary)
         return outcome
 
-    def count(self, claim: _Claim, outcome: Outcome, applied: Any, batch: PreparedBatch,
+    def count(self, claim: Claim, outcome: Outcome, applied: Any, batch: PreparedBatch,
               summary: DispatchSummary) -> None:
         """Add one sent chunk's row changes to ``summary`` and log them."""
         campaign = claim.campaign

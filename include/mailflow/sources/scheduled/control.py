@@ -14,13 +14,13 @@ import psycopg
 from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import (
     CampaignStateError,
-    _actor,
-    _db_now,
-    _event,
-    _json_default,
-    _lock,
-    _one,
-    _used_on_day,
+    actor_name,
+    db_now,
+    fetch_one,
+    json_default,
+    lock_campaign,
+    record_event,
+    used_on_day,
 )
 from mailflow.sources.scheduled.planning import plan_after, plan_spec
 from mailflow.store.sql import query
@@ -32,7 +32,7 @@ def _transition(conn: psycopg.Connection, campaign_id: int, allowed: Sequence[st
                 actor: str | None, **detail: Any) -> tuple[dict[str, Any], bool]:
     """Lock the campaign and move it to ``to_status`` from one of ``allowed`` (in the caller's
     transaction). Returns ``(row before, changed)``; already in ``to_status`` = not changed."""
-    c = _lock(conn, campaign_id)
+    c = lock_campaign(conn, campaign_id)
     if c["status"] == to_status:
         return c, False
     if c["status"] not in allowed:
@@ -40,7 +40,7 @@ def _transition(conn: psycopg.Connection, campaign_id: int, allowed: Sequence[st
                                  f"(only from {', '.join(allowed)})")
     conn.execute(query("scheduled", "campaign_set_status"),
                  {"id": campaign_id, "from_status": c["status"], "to_status": to_status})
-    _event(conn, campaign_id, c["status"], to_status, actor, **detail)
+    record_event(conn, campaign_id, c["status"], to_status, actor, **detail)
     return c, True
 
 
@@ -59,7 +59,7 @@ def cancel(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = No
     run = run or RunContext()
     with conn.transaction():
         c, changed = _transition(conn, campaign_id, ("draft", "scheduled", "paused"), "cancelled",
-                                 _actor(run, actor))
+                                 actor_name(run, actor))
         n = len(conn.execute(query("scheduled", "cancel_pending"), {
             "campaign": c["name"], "reason": "campaign cancelled",
             "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}).fetchall())
@@ -91,7 +91,7 @@ def hold(conn: psycopg.Connection, name: str, reason: str, *, actor: str | None 
         row = conn.execute(query("scheduled", "campaign_id_by_name"), {"name": name}).fetchone()
         if row is None:
             return False
-        c = _lock(conn, int(row[0]))
+        c = lock_campaign(conn, int(row[0]))
         if c["status"] != "scheduled":
             return False
         _transition(conn, int(row[0]), ("scheduled",), "paused", actor, reason=reason[:1000])
@@ -112,10 +112,10 @@ def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None =
     :raises CampaignStateError: if the campaign is not paused (or scheduled).
     """
     with conn.transaction():
-        at = now or _db_now(conn)
+        at = now or db_now(conn)
         if at.tzinfo is None:
             raise ValueError("now must be a timezone-aware datetime")
-        c = _lock(conn, campaign_id)
+        c = lock_campaign(conn, campaign_id)
         if c["status"] == "scheduled":
             return {"campaign": c["name"], "status": "scheduled", "changed": False, "overdue": 0,
                     "replanned": 0, "first": None, "last": None}
@@ -126,7 +126,7 @@ def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None =
         times: list[datetime] = []
         if overdue:
             spec = plan_spec(c)
-            skip = _used_on_day(conn, c, spec, at, include_pending=False)
+            skip = used_on_day(conn, c, spec, at, include_pending=False)
             times = list(plan_after(spec, at, skip, None, len(pending)))
             conn.execute(query("scheduled", "replan_rows"), {"ids": [r[0] for r in pending], "times": times})
             conn.execute(query("scheduled", "set_plan"), {
@@ -153,11 +153,11 @@ def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     lateness (``sent_at - scheduled_at``) p50/p99 in seconds, and for a paused campaign
     ``paused_reason`` (why the dispatcher paused it, or None). Datetimes as ISO text."""
     with conn.transaction():
-        c = _one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
+        c = fetch_one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
-        counts = _one(conn, query("scheduled", "campaign_counts"), {"campaign": c["name"]}) or {}
+        counts = fetch_one(conn, query("scheduled", "campaign_counts"), {"campaign": c["name"]}) or {}
         reason = conn.execute(query("scheduled", "pause_reason"), {"id": campaign_id}).fetchone() \
             if c["status"] == "paused" else None
     out = {**c, "rows": counts, "paused_reason": reason[0] if reason else None}
-    return json.loads(json.dumps(out, default=_json_default))
+    return json.loads(json.dumps(out, default=json_default))
