@@ -22,10 +22,10 @@ from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, 
 from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.campaign_db import fetch_one
 from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_send_times, plan_spec
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
 from mailflow.store.policy import Hold, evaluate, normalise_address
+from mailflow.store.scheduled import ScheduledStore
 from mailflow.store.send_log import PostgresStore
 from mailflow.store.sql import query
 
@@ -89,8 +89,8 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     first = min(f for _, f in held)
     since = local_midnight(plan_day(spec, first), spec)
     day_start = timedelta(hours=spec.day_start.hour, minutes=spec.day_start.minute, seconds=spec.day_start.second)
-    counts: dict[date, int] = {d: int(n) for d, n in conn.execute(query("scheduled", "day_counts"), {
-        "campaign": c["name"], "tz": spec.timezone, "since": since, "day_start": day_start}).fetchall()}
+    counts: dict[date, int] = {d: int(n) for d, n in ScheduledStore(conn).day_counts(
+        c["name"], spec.timezone, since, day_start)}
     days: dict[date, list[datetime]] = {}  # the day's free slots (computed once per day and call)
     out: dict[int, datetime] = {}
     for rid, free_at in sorted(held, key=lambda h: (h[1], h[0])):
@@ -154,9 +154,7 @@ class Dispatcher:
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
-            row = self.conn.execute(query("scheduled", "due_wait"),
-                                    {"coalesce": coalesce, "batch": self.batch_size}).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
+            return ScheduledStore(self.conn).due_wait(coalesce, self.batch_size)
 
     def prepare(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
         """Render a claimed chunk; its key is assigned by the store when the batch is saved
@@ -166,7 +164,7 @@ class Dispatcher:
 
     def _campaign(self, name: str) -> Campaign:
         if name not in self.campaigns:
-            c = fetch_one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            c = ScheduledStore(self.conn).campaign_by_name(name)
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaigns[name] = _render_campaign(c)
@@ -190,24 +188,23 @@ class Dispatcher:
         campaign whose rows were picked (the dispatcher pauses it and goes on)."""
         self.claiming = None
         with self.conn.transaction():
-            suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
-            picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
+            suppressed = ScheduledStore(self.conn).cancel_suppressed_due(self.who)
+            picked = ScheduledStore(self.conn).pick_due(self.who, self.batch_size)
             if not picked:
                 return suppressed, None
             self.claiming = str(picked[0][4])  # the campaign at fault if what follows raises
             crow = self._campaign_row(str(picked[0][4]))
             decided = self._guard(crow, picked)
             if decided:
-                self.conn.execute(query("scheduled", "decide_rows"), self.who | {
-                    "ids": list(decided), "statuses": [d[0] for d in decided.values()],
-                    "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
+                ScheduledStore(self.conn).decide_rows(
+                    self.who, list(decided), [d[0] for d in decided.values()],
+                    [d[1] for d in decided.values()], [d[2] for d in decided.values()])
             go = [r for r in picked if int(r[0]) not in decided]
             found: list[Any] = []
             if go:
                 addrs = [normalise_address(r[2]) for r in go]
-                found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
-                    "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
-                    "keys": [a.key for a in addrs]}).fetchall()
+                found = ScheduledStore(self.conn).claim_rows(
+                    self.who, [int(r[0]) for r in go], [a.send for a in addrs], [a.key for a in addrs])
             counts: dict[str, int] = {}
             for st, _, _at in decided.values():
                 k = "deferred" if st == "pending" else st
@@ -247,7 +244,7 @@ class Dispatcher:
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:
-            c = fetch_one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            c = ScheduledStore(self.conn).campaign_by_name(name)
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaign_rows[name] = c

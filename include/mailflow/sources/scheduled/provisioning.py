@@ -13,7 +13,6 @@ from typing import Any
 import jinja2
 import psycopg
 from psycopg import sql as pgsql
-from psycopg.types.json import Jsonb
 
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR
@@ -21,7 +20,6 @@ from mailflow.campaigns.templating import check_campaign_templates, subject_temp
 from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import (
     actor_name,
-    fetch_one,
     lock_campaign,
     record_event,
     used_on_day,
@@ -29,7 +27,7 @@ from mailflow.sources.scheduled.campaign_db import (
 from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
 from mailflow.sources.scheduled.spec import TABLE_NAME, check_templates, recipients_file
 from mailflow.store.policy import mailbox_key
-from mailflow.store.sql import query
+from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
 
@@ -160,17 +158,14 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
             plan_start = c["plan_start"] or max(c["start_at"], now)
             source = _recipient_source(conn, c)
             after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
-            page = conn.execute(pgsql.SQL(query("scheduled", "recipients_page")).format(source=source),
-                                {"after": after, "limit": chunk, "campaign": c["name"],
-                                 "campaign_id": campaign_id}).fetchall()
+            page = ScheduledStore(conn).recipients_page(source, after, chunk, c["name"], campaign_id)
             current = c["status"]
             if current == "draft":
-                conn.execute(query("scheduled", "campaign_set_status"),
-                             {"id": campaign_id, "from_status": "draft", "to_status": "scheduled"})
+                ScheduledStore(conn).set_status(campaign_id, "draft", "scheduled")
                 record_event(conn, campaign_id, "draft", "scheduled", actor, reason="provisioning started")
                 current = "scheduled"
             if not page:
-                conn.execute(query("scheduled", "mark_provisioned"), {"id": campaign_id, "plan_start": plan_start})
+                ScheduledStore(conn).mark_provisioned(campaign_id, plan_start)
                 if c["provisioned_at"] is None:
                     record_event(conn, campaign_id, current, current, actor, reason="provisioned",
                            provisioned_count=int(c["provisioned_count"]),
@@ -189,8 +184,7 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 # the plan ran out while provisioning was stopped: continue from now, not in the past
                 plan_start, planned_through = now, None
                 plan_skip = used_on_day(conn, c, spec, now, include_pending=True)
-                conn.execute(query("scheduled", "set_plan"), {
-                    "id": campaign_id, "plan_start": plan_start, "plan_skip": plan_skip, "planned_through": None})
+                ScheduledStore(conn).set_plan(campaign_id, plan_start, plan_skip, None)
                 times = list(plan_after(spec, plan_start, plan_skip, None, len(usable)))
                 summary.reanchored = True
             rows = []
@@ -206,13 +200,10 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                              "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
             created = 0
             if rows:
-                res = conn.execute(query("scheduled", "provision_rows"), {
-                    "campaign": c["name"], "page": Jsonb(rows),
-                    "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}).fetchone()
-                created = int(res[0]) if res else 0
-            conn.execute(query("scheduled", "advance_checkpoint"), {
-                "id": campaign_id, "created": created, "cursor": cursor,
-                "planned_through": times[-1] if times else planned_through, "plan_start": plan_start})
+                created = ScheduledStore(conn).provision_rows(c["name"], rows, {
+                    "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
+            ScheduledStore(conn).advance_checkpoint(campaign_id, created, cursor,
+                                                    times[-1] if times else planned_through, plan_start)
         summary.chunks += 1
         summary.created += created
         summary.skipped_existing += len(rows) - created
@@ -237,16 +228,13 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
 
 def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary: ProvisionSummary) -> ProvisionSummary:
     with conn.transaction():
-        c = fetch_one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
+        c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         spec = plan_spec(c)
         check_templates(c["template"], c["name"])
         after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
-        row = conn.execute(pgsql.SQL(query("scheduled", "recipients_count")).format(
-            source=_recipient_source(conn, c)), {"after": after, "campaign": c["name"], "campaign_id": campaign_id}
-        ).fetchone()
-    remaining = int(row[0]) if row else 0
+        remaining = ScheduledStore(conn).recipients_count(_recipient_source(conn, c), after, c["name"], campaign_id)
     plan_start = c["plan_start"] or max(c["start_at"], now)
     times = list(plan_after(spec, plan_start, int(c["plan_skip"]), c["planned_through"], remaining))
     if times and times[0] < now:

@@ -19,7 +19,7 @@ from mailflow.campaigns.templating import check_campaign_templates
 from mailflow.sources.scheduled.campaign_db import record_event
 from mailflow.sources.scheduled.planning import PlanSpec
 from mailflow.store.policy import ON_POLICY
-from mailflow.store.sql import query
+from mailflow.store.scheduled import ScheduledStore
 
 _NAME = re.compile(r"^[a-z0-9_]{1,64}$")
 TABLE_NAME = re.compile(r"^(?:([a-z_][a-z0-9_]*)\.)?([a-z_][a-z0-9_]*)$")
@@ -33,10 +33,10 @@ def resolve_campaign(conn: psycopg.Connection, ref: str | int) -> int:
     if isinstance(ref, int) or str(ref).isdigit():
         return int(ref)
     with conn.transaction():
-        row = conn.execute(query("scheduled", "campaign_id_by_name"), {"name": str(ref)}).fetchone()
-    if row is None:
+        found = ScheduledStore(conn).campaign_id_by_name(str(ref))
+    if found is None:
         raise LookupError(f"no campaign named {ref!r}")
-    return int(row[0])
+    return found
 
 
 def check_templates(template: str, label: str) -> None:
@@ -120,16 +120,14 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     else:
         recipients_table = "mail.campaign_recipient"
     with conn.transaction():
-        row = conn.execute(query("scheduled", "campaign_insert"), {
+        campaign_id = ScheduledStore(conn).insert_campaign({
             "name": label, "timezone": plan.timezone, "emails_per_day": plan.emails_per_day,
             "weekdays": sorted(plan.weekdays), "windows": [str(w) for w in plan.windows], "start_at": start_at,
             "template": str(spec["template"]), "subject": str(spec["subject"]), "from_address": str(spec["from"]),
             "reply_to": spec.get("reply_to"), "recipients_sql": recipients_sql,
             "recipients_table": recipients_table, "marketing": bool(spec.get("marketing", True)),
             "on_policy": on_policy,
-        }).fetchone()
-        assert row is not None
-        campaign_id = int(row[0])
+        })
         record_event(conn, campaign_id, None, "draft", actor, spec={k: str(v) for k, v in spec.items()})
         if spec.get("recipients_csv"):
             path = Path(str(spec["recipients_csv"]))
