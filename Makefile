@@ -29,9 +29,10 @@ test: venv       ## the whole suite (embedded Postgres, or TEST_DATABASE_URL whe
 test-fast: venv  ## unit tests only (no database, no HTTP server)
 	$(PY) -m pytest tests/unit -q
 
-lint: venv       ## ruff (incl. Airflow AIR rules), the import contracts (pyproject.toml) and mypy
+lint: venv       ## ruff (incl. Airflow AIR rules), the import contracts (pyproject.toml), no import circle, mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
+	PYTHONPATH=include $(PY) -m mailflow_dev.import_cycles
 	$(VENV)/bin/mypy
 
 bench: venv      ## benchmarks against a real Postgres and the emulator (not part of `make test`)

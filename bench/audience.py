@@ -40,7 +40,7 @@ from psycopg import sql as pgsql
 from bench import population
 from bench.common import ANCHOR, ChunkClock, InstantProvider, median, metric, record_durations, renderer
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.sendloop.outcome import DataInterval, RunContext
+from mailflow.model.outcome import DataInterval, RunContext
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore, eligible_sql
 from mailflow.store.sql import query as named_query

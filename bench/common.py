@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from mailflow.sendloop.outcome import Accepted, PreparedBatch
+from mailflow.model.outcome import Accepted, PreparedBatch
 from mailflow.store.migrate import migrate
 from mailflow_dev import devenv
 

@@ -31,9 +31,9 @@ import psycopg
 from bench.provider import API_KEY, CAP, FRACTION, metric
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.outcome import RunContext
 from mailflow.provider.client import ResendClient
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
 

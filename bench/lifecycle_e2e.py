@@ -49,10 +49,10 @@ from bench import population
 from bench.common import ANCHOR, metric, renderer
 from mailflow.campaigns import load_campaigns
 from mailflow.emulator.testing import EmulatorProcess
+from mailflow.model.clock import SystemClock
+from mailflow.model.outcome import DataInterval, MintedRow, RunContext
 from mailflow.provider.client import ResendClient, parse_retry_after
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.clock import SystemClock
-from mailflow.sendloop.outcome import DataInterval, MintedRow, RunContext
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 

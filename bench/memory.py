@@ -51,7 +51,7 @@ def child(mode: str, dsn: str, end: datetime, chunks: int) -> dict[str, Any]:
     """Run inside the subprocess: ``streaming`` (the engine) or ``naive`` (fetch all)."""
     from bench.common import ChunkClock, InstantProvider, renderer
     from mailflow.campaigns import load_campaigns
-    from mailflow.sendloop.outcome import DataInterval, RunContext
+    from mailflow.model.outcome import DataInterval, RunContext
     from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.send_log import PostgresStore
 

@@ -42,7 +42,7 @@ from bench.common import (
     scratch_database,
 )
 from mailflow.campaigns import load_campaigns
-from mailflow.sendloop.outcome import DataInterval, MintedRow, RunContext
+from mailflow.model.outcome import DataInterval, MintedRow, RunContext
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from mailflow.emulator.testing import EmulatorProcess
+from mailflow.model.clock import SystemClock
 from mailflow.provider.client import parse_retry_after
-from mailflow.sendloop.clock import SystemClock
 from mailflow_dev.loadgen import run_concurrent
 
 CAP = 10.0

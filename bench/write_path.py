@@ -44,7 +44,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from bench.common import metric
-from mailflow.sendloop.keys import key_tag
+from mailflow.model.keys import key_tag
 from mailflow.store.migrate import migrate
 from mailflow.store.sql import query
 from mailflow_dev import devenv

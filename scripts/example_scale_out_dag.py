@@ -49,8 +49,8 @@ with DAG(
         import time
 
         from mailflow import settings
+        from mailflow.model.outcome import Accepted
         from mailflow.provider.hook import ResendHook
-        from mailflow.sendloop.outcome import Accepted
         from mailflow_dev.loadgen import synthetic_batches
 
         ti = context["ti"]

@@ -17,9 +17,9 @@ from conftest import UNSUBSCRIBE_SECRET
 from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.outcome import CampaignSummary, DataInterval, RunContext
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import CampaignSummary, DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import PostgresStore

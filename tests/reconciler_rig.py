@@ -8,7 +8,7 @@ from lifecycle_rig import (
     rig,  # noqa: F401  (fixture)
 )
 
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 
 REPAIR = RunContext(dag_id="reconcile_send_log", run_id="r1", task_id="reconcile")
 

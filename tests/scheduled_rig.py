@@ -16,9 +16,9 @@ from conftest import UNSUBSCRIBE_SECRET
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.outcome import RunContext
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled import DispatchSummary

@@ -45,10 +45,10 @@ from typing import Any
 
 import psycopg
 
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import NotSent, PreparedBatch, Refused, RunContext
 from mailflow.provider.breaker import CircuitBreaker, is_answer, key_refused
-from mailflow.sendloop.clock import Clock, SystemClock
-from mailflow.sendloop.engine import BatchProvider, _send, key_identity_of, reserve_slot
-from mailflow.sendloop.outcome import NotSent, PreparedBatch, Refused, RunContext
+from mailflow.sendloop.engine import BatchProvider, key_identity_of, reserve_slot, send_prepared
 from mailflow.store.send_log import PostgresStore, mask_email
 from mailflow.store.sql import query
 
@@ -210,7 +210,7 @@ def _resend(conn: psycopg.Connection, store: PostgresStore, sender_for: Callable
             continue
         batch = PreparedBatch(idempotency_key=key, campaign=campaign, row_ids=tuple(r[0] for r in rows),
                               body=bytes(body), validation=validation, key_identity=identity)
-        outcome = _send(sender, batch, deadline, slot)
+        outcome = send_prepared(sender, batch, deadline, slot)
         slot = None
         if isinstance(outcome, Refused):
             # Strict validation refused the stored request as a whole. Its key holds no accepted
@@ -220,7 +220,7 @@ def _resend(conn: psycopg.Connection, store: PostgresStore, sender_for: Callable
             log.info("batch %s refused by strict validation (%s); resending it permissive under the same key",
                      key, outcome.reason)
             batch = dataclasses.replace(batch, validation="permissive")
-            outcome = _send(sender, batch, deadline, None)
+            outcome = send_prepared(sender, batch, deadline, None)
         # Rows of the batch that are no longer 'sending' are skipped by the guarded updates.
         applied = store.apply(batch, outcome, run)
         s.batches_resent += 1

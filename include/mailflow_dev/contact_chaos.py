@@ -37,7 +37,7 @@ from typing import Any
 import psycopg
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.outcome import Accepted, DataInterval, Outcome, PreparedBatch, RunContext
+from mailflow.model.outcome import Accepted, DataInterval, Outcome, PreparedBatch, RunContext
 
 LIFECYCLE = ("cc_life_a", "cc_life_b")
 SCHEDULED = (("cc_sched_defer", "defer", 2), ("cc_sched_skip", "skip", 3))

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import psycopg
 
+from mailflow.model.keys import idempotency_key
+from mailflow.model.outcome import Accepted, PreparedBatch
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import LocalPacer, Pacer, PostgresPacer
-from mailflow.sendloop.keys import idempotency_key
-from mailflow.sendloop.outcome import Accepted, PreparedBatch
 
 
 def synthetic_batches(n_emails: int, *, first_id: int, batch_size: int = 100,

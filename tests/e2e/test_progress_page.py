@@ -40,7 +40,7 @@ from conftest import ROOT
 from send_log_demo import current_hour, lifecycle_run_context, make_client, renderer, run_lifecycle_once
 
 from mailflow.emulator.testing import EmulatorProcess, free_port
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 from mailflow.sources import scheduled
 from mailflow.store.migrate import migrate
 from mailflow_dev import devenv

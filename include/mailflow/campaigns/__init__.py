@@ -12,8 +12,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from mailflow.campaigns.templating import check_campaign_templates
-from mailflow.sendloop.outcome import DataInterval, as_timedelta
-from mailflow.store.policy import Cap, ContactPolicy, policy_from_mapping
+from mailflow.model.outcome import DataInterval, as_timedelta
+from mailflow.model.policy import Cap, ContactPolicy, policy_from_mapping
 
 CAMPAIGNS_DIR = Path(__file__).parent
 _REQUIRED = ("name", "priority", "audience", "template", "subject")
@@ -72,6 +72,18 @@ def declared_names(path: Path | None = None) -> list[str]:
     path = path or CAMPAIGNS_DIR / "lifecycle.toml"
     doc = tomllib.loads(path.read_text(encoding="utf-8"))
     return [str(c["name"]) for c in doc.get("campaign", []) if "name" in c]
+
+
+def load_policy(path: Path | None = None) -> ContactPolicy:
+    """The policy of ``campaigns/lifecycle.toml`` (or ``path``): its ``[policy]`` section, the cooldown
+    falling back to ``[defaults].cooldown`` (then 7 days).
+
+    :raises ValueError: for a bad entry (naming it).
+    """
+    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
+    doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    default = str(doc.get("defaults", {}).get("cooldown", "P7D"))
+    return policy_from_mapping(doc.get("policy", {}), default_cooldown=default, label=f"{path.name} [policy]")
 
 
 def load_campaigns(path: Path | None = None, only: list[str] | None = None) -> list[Campaign]:

@@ -49,9 +49,9 @@ from typing import Any
 import httpx
 import psycopg
 
-from mailflow.provider.client import ResendClient, _error_fields, parse_retry_after
+from mailflow.model.outcome import RunContext
+from mailflow.provider.client import ResendClient, error_fields, parse_retry_after
 from mailflow.provider.errors import describe_refusal
-from mailflow.sendloop.outcome import RunContext
 from mailflow.store.policy import mailbox_key
 from mailflow.store.policy import normalise_address as check_address
 from mailflow.store.sql import query
@@ -175,7 +175,7 @@ class PacedReader:
                 if status == 404:
                     return _Answer("not_found")
                 if status in (401, 403):
-                    raise FeedbackError(describe_refusal(status, *_error_fields(resp), c.conn_id).message)
+                    raise FeedbackError(describe_refusal(status, *error_fields(resp), c.conn_id).message)
                 last = f"HTTP {status}: {resp.text[:200]}"
                 if status == 429:
                     c.stats["429"] += 1

@@ -60,7 +60,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mailflow import settings
-from mailflow.feedback.unsubscribe_pages import _confirm_form, _page, _scope_label
+from mailflow.feedback.unsubscribe_pages import confirm_form, render_page, scope_label
 from mailflow.feedback.unsubscribe_server import FD_RESERVE, ServerLimits, serve
 from mailflow.feedback.unsubscribe_tokens import (
     ALL_MARKETING,
@@ -194,7 +194,7 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
     lazy = _Lazy(signer)
 
     def page(title: str, body: str, status: int, request: Request, **kw: Any) -> Response:
-        return _page(title, body, status, brand=brand, head_only=request.method == "HEAD", **kw)
+        return render_page(title, body, status, brand=brand, head_only=request.method == "HEAD", **kw)
 
     def unavailable(request: Request) -> Response:
         return page("Please try again in a few minutes",
@@ -232,8 +232,8 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
             return bad_token(request, expired=False)
         if request.method in ("GET", "HEAD"):
             # a person or a link scanner: show the question, change nothing
-            return page("Unsubscribe?", f"<p>Do you want to stop receiving {html.escape(_scope_label(scope))}?</p>"
-                        + _confirm_form(scope), 200, request)
+            return page("Unsubscribe?", f"<p>Do you want to stop receiving {html.escape(scope_label(scope))}?</p>"
+                        + confirm_form(scope), 200, request)
         try:
             body = await _read_body(request, max_body_bytes)
         except ClientDisconnect:  # gone before its body arrived (e.g. the server's body timeout): nothing to do
@@ -253,7 +253,7 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
         confirmed = any(k == "confirm" for k, _ in fields)
         if not one_click and not confirmed:
             return page("Unsubscribe?", "<p>Nothing was changed yet. Do you want to stop receiving "
-                        f"{html.escape(_scope_label(scope))}?</p>" + _confirm_form(scope), 400, request)
+                        f"{html.escape(scope_label(scope))}?</p>" + confirm_form(scope), 400, request)
         source = "one_click" if one_click else "confirm_page"
         if confirmed and not one_click and any(k == "scope" and v == ALL_MARKETING for k, v in fields):
             scope = ALL_MARKETING  # the person widened it on the confirmation page
@@ -264,7 +264,7 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
             return unavailable(request)
         log.info("unsubscribe: user %s from %s via %s (%s)", user_id, scope, source, "new" if new else "repeat")
         return page("You are unsubscribed",
-                    f"<p>You will no longer receive {html.escape(_scope_label(scope))}. "
+                    f"<p>You will no longer receive {html.escape(scope_label(scope))}. "
                     "It can take up to two days for emails already on their way to stop.</p>", 200, request)
 
     async def healthz(request: Request) -> Response:

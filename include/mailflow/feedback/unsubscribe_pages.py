@@ -20,13 +20,13 @@ _SECURITY_HEADERS = {
 }
 
 
-def _scope_label(scope: str) -> str:
+def scope_label(scope: str) -> str:
     if scope == ALL_MARKETING:
         return "all marketing emails from us"
     return f"the \u201c{scope.replace('_', ' ')}\u201d emails"
 
 
-def _page(title: str, body_html: str, status: int, *, brand: str, head_only: bool = False,
+def render_page(title: str, body_html: str, status: int, *, brand: str, head_only: bool = False,
           headers: Mapping[str, str] | None = None) -> Response:
     doc = (
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -46,7 +46,7 @@ def _page(title: str, body_html: str, status: int, *, brand: str, head_only: boo
     return HTMLResponse(doc, status_code=status, headers=all_headers)
 
 
-def _confirm_form(scope: str) -> str:
+def confirm_form(scope: str) -> str:
     # no action attribute: the form posts to the page's own URL, whatever prefix it is mounted under
     widen = "" if scope == ALL_MARKETING else (
         "<label><input type=\"checkbox\" name=\"scope\" value=\"all\"> "

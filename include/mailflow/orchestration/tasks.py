@@ -15,7 +15,7 @@ import psycopg
 from mailflow import settings
 from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
 from mailflow.masking import mask_connection
-from mailflow.sendloop.outcome import DataInterval, RunContext
+from mailflow.model.outcome import DataInterval, RunContext
 
 if TYPE_CHECKING:
     from mailflow.feedback.deliverability import FeedbackSummary
@@ -108,8 +108,8 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     """
     from airflow.sdk.exceptions import AirflowFailException
 
+    from mailflow.model.outcome import SendError
     from mailflow.provider.hook import ResendHook
-    from mailflow.sendloop.outcome import SendError
     from mailflow.sendloop.render import Renderer
     from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.migrate import require_current

@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 import psycopg
 
-from mailflow.sendloop.clock import Clock
-from mailflow.sendloop.outcome import Accepted, NotSent, Outcome, Refused, RunContext
+from mailflow.model.clock import Clock
+from mailflow.model.outcome import Accepted, NotSent, Outcome, Refused, RunContext
 from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)

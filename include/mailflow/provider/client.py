@@ -42,11 +42,11 @@ from typing import Any
 
 import httpx
 
+from mailflow.model.apply_by_index import reconcile_by_index
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import NotSent, Outcome, PreparedBatch, Refused, Unknown
 from mailflow.provider.errors import describe_refusal
 from mailflow.provider.pacing import DEFAULT_MAX_HOLD_SECONDS, Pacer, check_max_hold, late_tolerance
-from mailflow.sendloop.apply_by_index import reconcile_by_index
-from mailflow.sendloop.clock import Clock, SystemClock
-from mailflow.sendloop.outcome import NotSent, Outcome, PreparedBatch, Refused, Unknown
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class ResendClient:
             else:
                 self.pacer.observe(resp.headers, since_start=self.clock.monotonic() - started)
                 status = resp.status_code
-                name, message = _error_fields(resp)
+                name, message = error_fields(resp)
                 if 200 <= status < 300:
                     try:
                         payload = resp.json()
@@ -420,7 +420,7 @@ def refused_request(status: int, name: str, message: str, conn_id: str) -> Reque
     return None
 
 
-def _error_fields(resp: httpx.Response) -> tuple[str, str]:
+def error_fields(resp: httpx.Response) -> tuple[str, str]:
     """``(name, message)`` of a Resend error body; tolerant of non-JSON bodies."""
     if resp.status_code < 400:
         return "", ""

@@ -19,6 +19,7 @@ import httpx
 import psycopg
 from airflow.sdk import BaseHook
 
+from mailflow.model.clock import Clock
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import (
     DEFAULT_MAX_HOLD_SECONDS,
@@ -27,7 +28,6 @@ from mailflow.provider.pacing import (
     PostgresPacer,
     check_max_hold,
 )
-from mailflow.sendloop.clock import Clock
 
 DEFAULT_BASE_URL = "https://api.resend.com"
 
@@ -206,7 +206,7 @@ class ResendHook(BaseHook):
         validate the body before the key. ok is True for a valid key of either type; the message says
         which DAGs it serves.
         """
-        from mailflow.provider.client import _error_fields
+        from mailflow.provider.client import error_fields
         from mailflow.provider.errors import describe_refusal
 
         try:
@@ -221,9 +221,9 @@ class ResendHook(BaseHook):
             return False, f"{type(exc).__name__}: {exc}"
         base, cid = s["base_url"], self.resend_conn_id
         if probe.status_code in (401, 403):
-            return False, describe_refusal(probe.status_code, *_error_fields(probe), cid).message
+            return False, describe_refusal(probe.status_code, *error_fields(probe), cid).message
         if probe.status_code not in (200, 400, 422):
-            name, message = _error_fields(probe)
+            name, message = error_fields(probe)
             return False, (f"{base} answered the sending probe (POST /emails/batch []) with HTTP {probe.status_code} "
                            f"{name}: {message}; the key could not be checked, try again")
         assert domains is not None
@@ -231,7 +231,7 @@ class ResendHook(BaseHook):
             names = [str(d.get("name")) for d in (domains.json().get("data") or []) if isinstance(d, dict)]
             return True, (f"API key accepted by {base} with full access: every DAG can use connection {cid!r} "
                           f"(domains: {', '.join(names) or 'none verified'})")
-        name, message = _error_fields(domains)
+        name, message = error_fields(domains)
         if domains.status_code == 401 and name == "restricted_api_key":
             return True, (f"API key accepted by {base} for sending only (GET /domains: 401 restricted_api_key): "
                           "lifecycle_emails, dispatch_scheduled_emails and reconcile_send_log work; "

@@ -60,7 +60,7 @@ from typing import Protocol
 
 import psycopg
 
-from mailflow.sendloop.clock import Clock, SystemClock
+from mailflow.model.clock import Clock, SystemClock
 from mailflow.store.sql import query
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ slot before a chunk is minted or claimed (:func:`reserve_slot`).
 Both sources call it (:mod:`mailflow.sources.lifecycle`, :mod:`mailflow.sources.scheduled`), and
 so does the reconciler. It sees three narrow things: a store (:class:`~mailflow.store.send_log.Store`),
 a provider with ``send_batch(batch, deadline) -> Outcome`` and a
-:class:`~mailflow.sendloop.clock.Clock`; it is tested without Airflow.
+:class:`~mailflow.model.clock.Clock`; it is tested without Airflow.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-from mailflow.sendloop.clock import Clock
-from mailflow.sendloop.outcome import MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext
+from mailflow.model.clock import Clock
+from mailflow.model.outcome import MintedRow, NotSent, Outcome, PreparedBatch, Refused, RunContext
 from mailflow.store.send_log import Applied, Store
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def send_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Sequenc
     :param slot: the reserved start of the first request (see :func:`reserve_slot`).
     :returns: the last outcome, the row changes summed over all attempts, and the last batch sent.
     """
-    return finish_chunk(store, provider, prepare, batch, rows, _send(provider, batch, deadline, slot), deadline, run)
+    return finish_chunk(store, provider, prepare, batch, rows, send_prepared(provider, batch, deadline, slot), deadline, run)
 
 
 def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Sequence[MintedRow]], PreparedBatch],
@@ -118,7 +118,7 @@ def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Seque
         log.info("%s: batch %s refused by strict validation (%s); resending the chunk permissive under a new key",
                  batch.campaign, batch.idempotency_key, outcome.reason)
         batch = store.rebatch(dataclasses.replace(prepare(rows), validation="permissive"))
-        outcome = _send(provider, batch, deadline, None)
+        outcome = send_prepared(provider, batch, deadline, None)
         total = total + store.apply(batch, outcome, run)
     return outcome, total, batch
 
@@ -128,7 +128,7 @@ def finish_chunk(store: Store, provider: BatchProvider, prepare: Callable[[Seque
 CLAIM_AT_SEND = float("-inf")
 
 
-def _send(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
+def send_prepared(provider: BatchProvider, batch: PreparedBatch, deadline: float, slot: float | None) -> Outcome:
     sender = key_identity_of(provider)
     if batch.key_identity is not None and sender is not None and batch.key_identity != sender:
         # the provider may scope idempotency keys per API key: under another key the same key and
@@ -199,16 +199,16 @@ class ChunkPipeline:
         if self._inflight is not None:
             raise RuntimeError("a chunk is already in flight: collect() it first")
         if self._pool is None:
-            chunk.outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
+            chunk.outcome = send_prepared(self.provider, chunk.batch, chunk.deadline, slot)
         elif self._apply_store is not None:
             self._done = self._pool.submit(self._send_and_apply, self._apply_store, chunk, slot)
         else:
-            chunk.future = self._pool.submit(_send, self.provider, chunk.batch, chunk.deadline, slot)
+            chunk.future = self._pool.submit(send_prepared, self.provider, chunk.batch, chunk.deadline, slot)
         self._inflight = chunk
 
     def _send_and_apply(self, store: Store, chunk: InFlight, slot: float | None) -> tuple[Outcome, Applied, PreparedBatch]:
         """The sender thread's whole job for one chunk when it has its own store."""
-        outcome = _send(self.provider, chunk.batch, chunk.deadline, slot)
+        outcome = send_prepared(self.provider, chunk.batch, chunk.deadline, slot)
         return finish_chunk(store, self.provider, chunk.prepare, chunk.batch, chunk.rows, outcome, chunk.deadline,
                             self.run)
 

@@ -23,8 +23,8 @@ from jinja2.sandbox import SandboxedEnvironment
 
 from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
 from mailflow.campaigns.templating import sandboxed_env, subject_template
-from mailflow.sendloop.keys import idempotency_key
-from mailflow.sendloop.outcome import MintedRow, PreparedBatch
+from mailflow.model.keys import idempotency_key
+from mailflow.model.outcome import MintedRow, PreparedBatch
 
 if TYPE_CHECKING:  # the renderer only calls signer.token(): no import of the feedback stage
     from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner

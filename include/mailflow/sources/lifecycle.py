@@ -16,8 +16,18 @@ from datetime import datetime, timedelta
 from functools import partial
 
 from mailflow.campaigns import Campaign
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import (
+    Accepted,
+    CampaignSummary,
+    DataInterval,
+    NotSent,
+    Refused,
+    RunContext,
+    SendError,
+    Unknown,
+)
 from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
-from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import (
     CLAIM_AT_SEND,
     MAX_BATCH,
@@ -29,16 +39,6 @@ from mailflow.sendloop.engine import (
     release_unsent,
     reserve_slot,
     stamp_identity,
-)
-from mailflow.sendloop.outcome import (
-    Accepted,
-    CampaignSummary,
-    DataInterval,
-    NotSent,
-    Refused,
-    RunContext,
-    SendError,
-    Unknown,
 )
 from mailflow.sendloop.render import Renderer
 from mailflow.store.send_log import Store

@@ -17,7 +17,8 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from mailflow.store.policy import Contact, ContactPolicy, Hold, contacts_from_rows, evaluate
+from mailflow.model.policy import ContactPolicy
+from mailflow.store.policy import Contact, Hold, contacts_from_rows, evaluate
 from mailflow.store.sql import query
 
 

@@ -31,92 +31,19 @@ The contact guard locks and counts mailboxes as well as users (``mail.mailbox``)
 
 from __future__ import annotations
 
-import tomllib
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import email_validator
 
-from mailflow.sendloop.outcome import as_timedelta
+from mailflow.model.policy import Cap, ContactPolicy, human_duration
 
 #: Statuses whose rows are contacts (see the module docstring); ``pending`` only for lifecycle mail.
 CONTACT_STATES = ("sent", "sending")
 ON_POLICY = ("defer", "skip", "ignore")
-
-
-@dataclass(frozen=True, order=True)
-class Cap:
-    """At most ``emails`` emails per user within any ``window`` (a rolling span of elapsed time)."""
-
-    window: timedelta
-    emails: int
-
-    def __post_init__(self) -> None:
-        if self.emails < 1:
-            raise ValueError(f"a frequency cap allows at least 1 email, got {self.emails}")
-        if self.window <= timedelta(0):
-            raise ValueError(f"a frequency cap's window must be positive, got {self.window}")
-
-    def __str__(self) -> str:
-        return f"{self.emails} per {_human(self.window)}"
-
-
-@dataclass(frozen=True)
-class ContactPolicy:
-    """Cooldown (across all campaigns and kinds) plus frequency caps; see the module docstring."""
-
-    cooldown: timedelta = timedelta(days=7)
-    caps: tuple[Cap, ...] = ()
-
-    @property
-    def rules(self) -> tuple[Cap, ...]:
-        """Every cap, the cooldown as ``Cap(cooldown, 1)`` first; empty if there is no rule."""
-        out = [Cap(self.cooldown, 1)] if self.cooldown > timedelta(0) else []
-        return tuple(out + sorted(self.caps))
-
-    def extra_caps(self) -> tuple[Cap, ...]:
-        """Caps not implied by the cooldown (a cap whose window is not longer than the cooldown
-        allows at least the one email the cooldown allows in it): the SQL pre-filter checks these."""
-        return tuple(c for c in sorted(self.caps) if c.window > self.cooldown)
-
-    def widest(self) -> timedelta:
-        """The longest window of any rule (how far back contacts matter)."""
-        return max((c.window for c in self.rules), default=timedelta(0))
-
-
-def policy_from_mapping(raw: Mapping[str, Any], *, default_cooldown: str = "P7D", label: str = "[policy]") -> ContactPolicy:
-    """Build a policy from ``{"cooldown": "P7D", "caps": [{"emails": 3, "per": "P7D"}, ...]}``.
-
-    :raises ValueError: naming the entry for a bad duration or count.
-    """
-    try:
-        cooldown = as_timedelta(str(raw.get("cooldown", default_cooldown)))
-        caps = []
-        for i, cap in enumerate(raw.get("caps", ())):
-            if not isinstance(cap, Mapping) or "emails" not in cap or "per" not in cap:
-                raise ValueError(f"caps[{i}] must be {{ emails = N, per = \"P7D\" }}, got {cap!r}")
-            caps.append(Cap(as_timedelta(str(cap["per"])), int(cap["emails"])))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{label}: {exc}") from None
-    return ContactPolicy(cooldown=cooldown, caps=tuple(caps))
-
-
-def load_policy(path: Path | None = None) -> ContactPolicy:
-    """The policy of ``campaigns/lifecycle.toml`` (or ``path``): its ``[policy]`` section, the cooldown
-    falling back to ``[defaults].cooldown`` (then 7 days).
-
-    :raises ValueError: for a bad entry (naming it).
-    """
-    from mailflow.campaigns import CAMPAIGNS_DIR
-
-    path = path or CAMPAIGNS_DIR / "lifecycle.toml"
-    doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    default = str(doc.get("defaults", {}).get("cooldown", "P7D"))
-    return policy_from_mapping(doc.get("policy", {}), default_cooldown=default, label=f"{path.name} [policy]")
 
 
 # -- evaluation ------------------------------------------------------------------------------------
@@ -145,7 +72,7 @@ class Hold:
 
     def reason(self) -> str:
         """One line for ``send_log.error`` and the event: the rule and the contact(s) behind it."""
-        what = f"cooldown {_human(self.rule.window)}" if self.cooldown else f"frequency cap {self.rule}"
+        what = f"cooldown {human_duration(self.rule.window)}" if self.cooldown else f"frequency cap {self.rule}"
         seen = ", ".join(
             f"row {c.row_id} ({c.campaign}, {c.status}{'' if c.at is None else ' ' + c.at.isoformat()})"
             for c in self.contacts[:3])
@@ -247,15 +174,6 @@ def normalise_address(raw: str | None) -> Address:
     send = f"{v.local_part}@{domain}"
     key = f"{fold_local_part(v.local_part)}@{domain}"
     return Address(raw=raw or "", send=send, key=key, keys=(key,))
-
-
-def _human(d: timedelta) -> str:
-    secs = int(d.total_seconds())
-    for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
-        if secs % n == 0 and secs >= n:
-            k = secs // n
-            return f"{k} {unit}{'s' if k != 1 else ''}"
-    return f"{secs} s"
 
 
 def contacts_from_rows(rows: Sequence[Sequence[Any]]) -> dict[int, list[Contact]]:

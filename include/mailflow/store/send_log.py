@@ -18,9 +18,9 @@ from psycopg import sql as pgsql
 from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.apply_by_index import CAMPAIGN_FIELDS, RENDERED_FIELDS, campaign_field
-from mailflow.sendloop.keys import batch_key, key_tag
-from mailflow.sendloop.outcome import (
+from mailflow.model.apply_by_index import CAMPAIGN_FIELDS, RENDERED_FIELDS, campaign_field
+from mailflow.model.keys import batch_key, key_tag
+from mailflow.model.outcome import (
     Accepted,
     MintedRow,
     NotSent,
@@ -546,7 +546,7 @@ class Reopened:
 def reopen_refused(conn: psycopg.Connection, campaign: str, field: str | None = None, *,
                    apply: bool = False) -> Reopened:
     """Re-open the rows of ``campaign`` that the provider rejected for a field of the CAMPAIGN, not
-    of the recipient (the rule of :func:`mailflow.sendloop.apply_by_index.campaign_field`, applied to
+    of the recipient (the rule of :func:`mailflow.model.apply_by_index.campaign_field`, applied to
     each row's stored error; ``field`` restricts it to one field, e.g. ``"from"``; without it, the
     fields that are the same in every email: a rendered subject or body refused for one row may be
     about that recipient's data, so those are re-opened only when named): users charged for

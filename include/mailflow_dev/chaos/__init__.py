@@ -24,7 +24,7 @@ Per fault kind:
    sent after recovery (still in an audience, a row left ``sending``, a scheduled row due and
    ``pending``, a dead letter, or a row failed although its email was valid). Each must be 0.
 
-The simulated clock: actors run on :class:`~mailflow.sendloop.clock.FakeClock` (backoff, retry-after and
+The simulated clock: actors run on :class:`~mailflow.model.clock.FakeClock` (backoff, retry-after and
 budget waits take no real time); an advance of the scenario clock by ``s`` seconds moves the
 emulator's clock (idempotency TTL, quota day) and ages every stored batch (``created_at``, which the
 reconciler's idempotency window reads) by ``s``. The ``outage`` kind holds a 6-hour outage (503s,

@@ -19,10 +19,10 @@ import httpx
 import psycopg
 
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.clock import Clock, FakeClock, SystemClock
+from mailflow.model.outcome import RunContext, SendError
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.clock import Clock, FakeClock, SystemClock
-from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sendloop.render import Renderer
 from mailflow_dev.chaos.scenarios import CLIENT_READ_TIMEOUT, INTERVAL, UNEXPECTED, ActorSpec, Plan
 
@@ -50,7 +50,7 @@ def _install_kill(plan: Plan) -> None:
     if plan.point == "before_mint":
         PostgresStore.mint_chunk = before(PostgresStore.mint_chunk)  # type: ignore[method-assign]
     elif plan.point == "before_claim":
-        claiming._Dispatcher.claim = before(claiming._Dispatcher.claim)  # type: ignore[method-assign]
+        claiming.Dispatcher.claim = before(claiming.Dispatcher.claim)  # type: ignore[method-assign]
         repair.reserve_slot = before(repair.reserve_slot)  # the reconciler reserves, then claims
     elif plan.point == "before_apply":
         orig_apply = PostgresStore.apply

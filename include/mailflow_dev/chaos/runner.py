@@ -41,7 +41,7 @@ from mailflow_dev.chaos.scenarios import (
     ActorSpec,
     Plan,
     Scenario,
-    _scenario_faults,
+    scenario_faults,
     share_kills,
 )
 
@@ -392,7 +392,7 @@ def run_scenario(scn: Scenario, dsn: str, emu: Team, *, kills: int, seed: int, c
         phases[name] = round(time.monotonic() - mark, 1)
         mark = time.monotonic()
 
-    faults = _scenario_faults(scn, emails, rng)
+    faults = scenario_faults(scn, emails, rng)
     emu.configure(**(FAULTS_OFF | faults))
     if scn.driver == "outage":
         _outage_phase(r, kills, step_minutes)

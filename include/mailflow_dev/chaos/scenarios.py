@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.outcome import DataInterval
+from mailflow.model.outcome import DataInterval
 
 ANCHOR = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
 INTERVAL = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)
@@ -135,7 +135,7 @@ class ActorSpec:
     slow_pacer: bool = False
 
 
-def _scenario_faults(scn: Scenario, emails: list[str], rng: random.Random) -> dict[str, Any]:
+def scenario_faults(scn: Scenario, emails: list[str], rng: random.Random) -> dict[str, Any]:
     faults = dict(scn.faults)
     if "suppress" in faults:  # a few real recipients of the scenario
         pick = rng.sample(emails, min(len(emails), 20))

@@ -18,10 +18,10 @@ from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.deliverability import FeedbackSummary, poll_feedback
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.outcome import DataInterval, RunContext
 from mailflow.orchestration.alerts import feedback_alert
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.suppression import suppress_address

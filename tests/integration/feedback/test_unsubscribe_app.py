@@ -25,9 +25,9 @@ from mailflow.campaigns import Campaign
 from mailflow.emulator.testing import EmulatorProcess, free_port
 from mailflow.feedback.unsubscribe_app import Unavailable, connect_factory, create_app
 from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
+from mailflow.model.outcome import DataInterval, RunContext
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
 from mailflow.sources.lifecycle import run_lifecycle
@@ -269,7 +269,7 @@ def test_the_next_audience_excludes_users_unsubscribed_from_that_list_or_from_al
 def _run(db_dsn: str, campaigns: list[Campaign], *, db: psycopg.Connection) -> set[tuple[str, int]]:
     """A lifecycle run with an in-process provider that accepts everything; returns the minted
     (campaign, user) pairs."""
-    from mailflow.sendloop.outcome import Accepted, PreparedBatch
+    from mailflow.model.outcome import Accepted, PreparedBatch
 
     class AcceptAll:
         def send_batch(self, batch: PreparedBatch, deadline: float, slot: float | None = None) -> Accepted:

@@ -18,9 +18,9 @@ import psycopg
 import pytest
 
 from mailflow.emulator.testing import DEFAULT_API_KEY, EmulatorProcess
+from mailflow.model.outcome import Accepted, NotSent, PreparedBatch
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import Accepted, NotSent, PreparedBatch
 from mailflow_dev.chaos.actors import SlowConnection
 from mailflow_dev.loadgen import max_in_window
 

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
+from mailflow.model.outcome import Accepted, NotSent, Refused, Unknown
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import LocalPacer
-from mailflow.sendloop.outcome import Accepted, NotSent, Refused, Unknown
 from mailflow_dev.loadgen import synthetic_batches
 
 KEY = "re_test_emulator"

@@ -19,12 +19,12 @@ from lifecycle_rig import (
 from reconciler_rig import REPAIR, age_claims, db_now
 
 from mailflow.cli import keys, main
+from mailflow.model.outcome import SendError
 from mailflow.orchestration.alerts import held_batch_alert, key_refused_alert
 from mailflow.provider.breaker import CircuitBreaker
 from mailflow.provider.client import ResendClient, RetryPolicy, key_identity
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import SendError
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the answer is lost and not retried: outcome unknown
 SENDING_ONLY = "re_sending_only_new"  # the new key: a sending-only key, as Resend recommends

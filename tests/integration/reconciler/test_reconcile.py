@@ -16,11 +16,11 @@ from lifecycle_rig import (
 )
 from reconciler_rig import REPAIR, age_claims, db_now
 
+from mailflow.model.clock import FakeClock
+from mailflow.model.outcome import SendError
 from mailflow.orchestration.alerts import dead_letter_alert
 from mailflow.provider.client import RetryPolicy
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.clock import FakeClock
-from mailflow.sendloop.outcome import SendError
 
 ONE_SHOT = RetryPolicy(max_attempts=1)  # the answer is lost and not retried: outcome unknown
 

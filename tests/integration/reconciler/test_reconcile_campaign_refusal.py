@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from scheduled_rig import Rig, provisioned, rig  # noqa: F401  (fixture)
 
+from mailflow.model.outcome import RunContext
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import RunContext
 
 BAD_FROM = "Outreach <outreach@@mail.example.com>"  # refused by the provider for every email: `from`
 REPAIR = RunContext(dag_id="reconcile_send_log", run_id="r", task_id="reconcile")

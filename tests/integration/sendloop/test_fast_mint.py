@@ -12,7 +12,7 @@ import json
 import psycopg
 from lifecycle_rig import RUN, RacingConnection, Rig, add_user, plant_row, rig, simple_campaign  # noqa: F401
 
-from mailflow.sendloop.keys import batch_key
+from mailflow.model.keys import batch_key
 from mailflow.store.send_log import PostgresStore
 
 

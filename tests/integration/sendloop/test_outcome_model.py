@@ -19,10 +19,10 @@ from lifecycle_rig import INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # 
 
 from mailflow.emulator.testing import free_port
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.outcome import RunContext, SendError
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.migrate import migrate

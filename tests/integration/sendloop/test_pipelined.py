@@ -15,8 +15,8 @@ import scheduled_rig as ts
 from lifecycle_rig import END, INTERVAL, RUN, Rig, add_user, rig, simple_campaign  # noqa: F401
 from reconciler_rig import REPAIR, age_claims, db_now
 
+from mailflow.model.outcome import PreparedBatch
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import PreparedBatch
 from mailflow.store.send_log import PostgresStore
 
 

@@ -10,9 +10,9 @@ import psycopg
 import pytest
 from scheduled_rig import FAST_RETRY, Rig, provisioned, rig  # noqa: F401  (fixture)
 
+from mailflow.model.outcome import SendError
 from mailflow.provider.client import ResendClient
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import SendError
 
 SENDING_ONLY = "re_sending_only_probe"
 

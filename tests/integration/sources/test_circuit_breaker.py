@@ -23,11 +23,11 @@ from scheduled_rig import (
 )
 
 from mailflow.cli import main as mailflow_cli
+from mailflow.model.outcome import NotSent, RunContext, SendError, Unknown
 from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker, whole_request_failure
 from mailflow.provider.client import ResendClient
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import NotSent, RunContext, SendError, Unknown
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.sources.scheduled.dispatcher import dispatch
 from mailflow.store.send_log import PostgresStore

@@ -9,8 +9,8 @@ import pytest
 from scheduled_rig import Rig, provisioned, rig  # noqa: F401  (fixture)
 
 from mailflow.cli import decide_dead_letters
+from mailflow.model.outcome import RunContext, SendError
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sources.scheduled.control import cancel
 
 REPAIR = RunContext(dag_id="reconcile_send_log", run_id="r", task_id="reconcile")

@@ -33,9 +33,9 @@ from lifecycle_rig import (
 
 from mailflow import cli
 from mailflow.campaigns import load_campaigns
+from mailflow.model.apply_by_index import reconcile_by_index
+from mailflow.model.outcome import SendError
 from mailflow.provider.client import RetryPolicy
-from mailflow.sendloop.apply_by_index import reconcile_by_index
-from mailflow.sendloop.outcome import SendError
 from mailflow.store.send_log import PostgresStore
 from mailflow.store.suppression import suppress_address
 

@@ -27,10 +27,10 @@ from scheduled_rig import (
 )
 
 from mailflow.cli import main as cli_main
-from mailflow.sendloop.outcome import NotSent, PreparedBatch, SendError
+from mailflow.model.outcome import NotSent, PreparedBatch, SendError
+from mailflow.model.policy import ContactPolicy
 from mailflow.sources import scheduled
 from mailflow.store.migrate import migrate, migration_files
-from mailflow.store.policy import ContactPolicy
 from mailflow.store.send_log import reopen_refused
 
 BAD_FROM = "Outreach <outreach@@mail.example.com>"  # refused by the provider for every email: `from`

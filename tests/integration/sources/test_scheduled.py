@@ -25,9 +25,9 @@ from scheduled_rig import (
     utc,
 )
 
+from mailflow.model.outcome import RunContext, SendError
 from mailflow.provider.client import RetryPolicy
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import RunContext, SendError
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled import CampaignStateError, DispatchSummary, claiming
 from mailflow.sources.scheduled.planning import PlanSpec, plan_send_times
@@ -224,8 +224,8 @@ def test_a_dispatcher_skips_rows_another_holds_without_waiting(rig: Rig) -> None
     b.execute("set lock_timeout = '1s'")
     b.commit()
     renderer = rig.renderer()
-    da = claiming._Dispatcher(a, renderer, RUN, batch_size=4)
-    db_ = claiming._Dispatcher(b, renderer, RUN, batch_size=4)
+    da = claiming.Dispatcher(a, renderer, RUN, batch_size=4)
+    db_ = claiming.Dispatcher(b, renderer, RUN, batch_size=4)
     with a.transaction():  # A's claim stays uncommitted: its rows stay locked
         _, ca = da.claim()
         _, cb = db_.claim()  # would raise LockNotAvailable if it waited for A
@@ -332,7 +332,7 @@ def test_rows_already_sent_or_cancelled_are_skipped_without_error(rig: Rig) -> N
                    " where id = %s", (ids[0],))
     rig.db.execute("update mail.send_log set status = 'cancelled' where id = %s", (ids[1],))
 
-    d = claiming._Dispatcher(rig.conn(), rig.renderer(), RUN, batch_size=100)
+    d = claiming.Dispatcher(rig.conn(), rig.renderer(), RUN, batch_size=100)
     _, claim = d.claim()
     assert claim is not None and [r.id for r in claim.rows] == ids[2:]
     # a reconciler settles one of the claimed rows while its batch is in flight

@@ -16,10 +16,10 @@ from scheduled_rig import (
     rig,  # noqa: F401  (fixture)
 )
 
+from mailflow.model.outcome import SendError
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
 from mailflow.reconciler import reconcile
-from mailflow.sendloop.outcome import SendError
 
 NEW_KEY = "re_sending_only_new"
 

@@ -23,7 +23,7 @@ from scheduled_rig import (
 from mailflow.campaigns import CAMPAIGNS_DIR, load_campaigns
 from mailflow.campaigns.templating import UnsafeTemplateError, subject_template
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
-from mailflow.sendloop.outcome import MintedRow
+from mailflow.model.outcome import MintedRow
 from mailflow.sendloop.render import Renderer, RenderError, template_env
 from mailflow.sources import scheduled
 

@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql as pgsql
 
 from mailflow.campaigns import Campaign, load_campaigns
-from mailflow.sendloop.outcome import DataInterval
+from mailflow.model.outcome import DataInterval
 from mailflow.store.migrate import migrate
 from mailflow.store.send_log import PostgresStore, eligible_sql
 from mailflow.store.sql import query

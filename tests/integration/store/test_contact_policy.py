@@ -19,12 +19,12 @@ from lifecycle_rig import Rig as LRig
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
-from mailflow.sendloop.outcome import DataInterval, SendError
+from mailflow.model.outcome import DataInterval, SendError
+from mailflow.model.policy import Cap, ContactPolicy
 from mailflow.sendloop.render import Renderer
 from mailflow.sources import scheduled
 from mailflow.sources.scheduled.planning import plan_day, plan_send_times
 from mailflow.store.contact_guard import lock_contacts
-from mailflow.store.policy import Cap, ContactPolicy
 from mailflow.store.send_log import PostgresStore
 from mailflow.store.suppression import suppress_address
 from mailflow_dev import contact_chaos

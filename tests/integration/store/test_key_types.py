@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from mailflow.emulator.testing import EmulatorProcess
+from mailflow.model.outcome import Accepted, NotSent
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import LocalPacer
-from mailflow.sendloop.outcome import Accepted, NotSent
 from mailflow_dev.loadgen import synthetic_batches
 
 FULL = "re_test_emulator"

@@ -26,9 +26,9 @@ from mailflow.emulator.testing import EmulatorProcess
 from mailflow.feedback.deliverability import FeedbackSummary, poll_feedback
 from mailflow.feedback.unsubscribe_app import create_app
 from mailflow.feedback.unsubscribe_tokens import signer_from_secret
+from mailflow.model.outcome import DataInterval, RunContext
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import PostgresPacer
-from mailflow.sendloop.outcome import DataInterval, RunContext
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.contact_guard import lock_contacts

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from mailflow.feedback.deliverability import FeedbackError, PacedReader
+from mailflow.model.clock import FakeClock
 from mailflow.provider.client import ResendClient, RetryPolicy
 from mailflow.provider.pacing import LocalPacer
-from mailflow.sendloop.clock import FakeClock
 
 PID = "4ef9a417-02e9-4d39-ad75-9611e0fcc33c"
 

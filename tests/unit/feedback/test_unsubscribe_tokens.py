@@ -29,7 +29,7 @@ from mailflow.feedback.unsubscribe_tokens import (
     signer_from_connection,
     signer_from_secret,
 )
-from mailflow.sendloop.outcome import MintedRow
+from mailflow.model.outcome import MintedRow
 from mailflow.sendloop.render import Renderer
 
 SECRET = "test-secret-0123456789abcdef"

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from mailflow.model.clock import FakeClock
+from mailflow.model.outcome import Accepted, NotSent, PreparedBatch, Refused, Unknown
 from mailflow.provider.client import SLOT_GRACE_SECONDS, ResendClient, RetryPolicy, parse_retry_after
 from mailflow.provider.pacing import LocalPacer
-from mailflow.sendloop.clock import FakeClock
-from mailflow.sendloop.outcome import Accepted, NotSent, PreparedBatch, Refused, Unknown
 
 SEED = 20260101
 BASE = "https://api.resend.test"

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
+from mailflow.model.outcome import MintedRow, PreparedBatch
 from mailflow.provider.client import ResendClient, key_identity
-from mailflow.sendloop.engine import _send, key_identity_of, stamp_identity
-from mailflow.sendloop.outcome import MintedRow, PreparedBatch
+from mailflow.sendloop.engine import key_identity_of, send_prepared, stamp_identity
 
 
 class _Pacer:
@@ -45,5 +45,5 @@ def test_a_batch_is_never_sent_under_another_key_than_the_one_it_was_stored_for(
         batch = PreparedBatch(idempotency_key="mf-x-c-1-00", campaign="c", row_ids=(1,), body=b"[]",
                               key_identity=key_identity("re_old"))
         with pytest.raises(ValueError, match="never sent under another key"):
-            _send(client, batch, deadline=float("inf"), slot=None)
+            send_prepared(client, batch, deadline=float("inf"), slot=None)
         assert client.stats["requests"] == 0

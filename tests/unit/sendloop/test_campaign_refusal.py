@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from mailflow.sendloop.apply_by_index import campaign_field, reconcile_by_index
-from mailflow.sendloop.outcome import Accepted
+from mailflow.model.apply_by_index import campaign_field, reconcile_by_index
+from mailflow.model.outcome import Accepted
 
 FROM = ("Invalid `from` field. The email address needs to follow the `email@example.com` or "
         "`Name <email@example.com>` format.")

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 
 from mailflow.campaigns import Campaign
-from mailflow.sendloop.clock import FakeClock
-from mailflow.sendloop.engine import MAX_BATCH, chunk_size_ok
-from mailflow.sendloop.keys import idempotency_key
-from mailflow.sendloop.outcome import (
+from mailflow.model.clock import FakeClock
+from mailflow.model.keys import idempotency_key
+from mailflow.model.outcome import (
     Accepted,
     CampaignSummary,
     DataInterval,
@@ -32,6 +31,7 @@ from mailflow.sendloop.outcome import (
     SendError,
     Unknown,
 )
+from mailflow.sendloop.engine import MAX_BATCH, chunk_size_ok
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store.send_log import Applied, MintResult
 

@@ -11,9 +11,9 @@ import pytest
 
 from mailflow.campaigns import Campaign, load_campaigns
 from mailflow.feedback.unsubscribe_tokens import InvalidToken, UnsubscribeSigner, signer_from_secret
-from mailflow.sendloop.apply_by_index import reconcile_by_index
-from mailflow.sendloop.keys import idempotency_key
-from mailflow.sendloop.outcome import Accepted, MintedRow, Unknown
+from mailflow.model.apply_by_index import reconcile_by_index
+from mailflow.model.keys import idempotency_key
+from mailflow.model.outcome import Accepted, MintedRow, Unknown
 from mailflow.sendloop.render import Renderer
 
 SECRET = "test-secret-0123456789abcdef"

@@ -7,16 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from mailflow.campaigns import CAMPAIGNS_DIR, load_campaigns
+from mailflow.campaigns import CAMPAIGNS_DIR, load_campaigns, load_policy
+from mailflow.model.policy import Cap, ContactPolicy, policy_from_mapping
 from mailflow.store.policy import (
-    Cap,
     Contact,
-    ContactPolicy,
     evaluate,
-    load_policy,
     mailbox_key,
     normalise_address,
-    policy_from_mapping,
 )
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

@@ -57,7 +57,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, StreamingResponse
 
 from mailflow import settings
-from mailflow.orchestration.ui.progress_queries import _plain, load_campaign, load_list, load_series
+from mailflow.orchestration.ui.progress_queries import load_campaign, load_list, load_series, plain_value
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def send_log_readonly() -> Iterator[psycopg.Connection]:
 
 
 def _sse(event: str, data: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, default=_plain)}\n\n"
+    return f"event: {event}\ndata: {json.dumps(data, default=plain_value)}\n\n"
 
 
 def create_app(connect: Connect = send_log_readonly, *, auth: bool = True) -> FastAPI:

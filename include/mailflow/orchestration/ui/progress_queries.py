@@ -170,7 +170,7 @@ def mask_text(text: str | None) -> str | None:
     return None if text is None else _EMAIL.sub(lambda m: mask_email(m.group(0)), text)
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     if isinstance(value, datetime | date):
         return value.isoformat()
     if isinstance(value, Decimal):
@@ -181,7 +181,7 @@ def _plain(value: Any) -> Any:
 def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     with conn.cursor(row_factory=dict_row) as cur:
         cur.execute(sql, params)  # constant statements of this module; values bound
-        return [{k: _plain(v) for k, v in r.items()} for r in cur.fetchall()]
+        return [{k: plain_value(v) for k, v in r.items()} for r in cur.fetchall()]
 
 
 def load_list(conn: psycopg.Connection) -> dict[str, Any]:

@@ -17,14 +17,15 @@ from typing import Any
 import jinja2
 import psycopg
 
-from mailflow.campaigns import Campaign
+from mailflow.campaigns import Campaign, load_policy
+from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
+from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
-from mailflow.sendloop.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.campaign_db import _one
-from mailflow.sources.scheduled.planning import _local_midnight, plan_day, plan_send_times, plan_spec
+from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_send_times, plan_spec
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
-from mailflow.store.policy import ContactPolicy, Hold, evaluate, load_policy, normalise_address
+from mailflow.store.policy import Hold, evaluate, normalise_address
+from mailflow.store.scheduled import ScheduledStore
 from mailflow.store.send_log import PostgresStore
 from mailflow.store.sql import query
 
@@ -86,10 +87,10 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     """
     spec = plan_spec(c)
     first = min(f for _, f in held)
-    since = _local_midnight(plan_day(spec, first), spec)
+    since = local_midnight(plan_day(spec, first), spec)
     day_start = timedelta(hours=spec.day_start.hour, minutes=spec.day_start.minute, seconds=spec.day_start.second)
-    counts: dict[date, int] = {d: int(n) for d, n in conn.execute(query("scheduled", "day_counts"), {
-        "campaign": c["name"], "tz": spec.timezone, "since": since, "day_start": day_start}).fetchall()}
+    counts: dict[date, int] = {d: int(n) for d, n in ScheduledStore(conn).day_counts(
+        c["name"], spec.timezone, since, day_start)}
     days: dict[date, list[datetime]] = {}  # the day's free slots (computed once per day and call)
     out: dict[int, datetime] = {}
     for rid, free_at in sorted(held, key=lambda h: (h[1], h[0])):
@@ -98,7 +99,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
         for _ in range(PLAN_HORIZON_DAYS):  # the planner's own bound on days without window time
             if day.isoweekday() in spec.weekdays and counts.get(day, 0) < spec.emails_per_day:
                 if day not in days:
-                    floor = max(start, _local_midnight(day, spec))
+                    floor = max(start, local_midnight(day, spec))
                     days[day] = [t for t in plan_send_times(spec, spec.emails_per_day, floor)
                                  if plan_day(spec, t) == day]
                 free = days[day]
@@ -108,7 +109,7 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
                     counts[day] = counts.get(day, 0) + 1
                     break
             day += timedelta(days=1)
-            start = max(start, _local_midnight(day, spec))
+            start = max(start, local_midnight(day, spec))
         else:
             log.warning("campaign %s: row %d has no planned slot within %d days after %s: skipped",
                         c["name"], rid, PLAN_HORIZON_DAYS, free_at.isoformat())
@@ -124,7 +125,7 @@ def _render_campaign(c: Mapping[str, Any]) -> Campaign:
 
 
 @dataclass
-class _Claim:
+class Claim:
     campaign: Campaign
     rows: tuple[MintedRow, ...]
     attempts: dict[int, int]
@@ -134,7 +135,7 @@ class _Claim:
     decided: dict[str, int] = field(default_factory=dict)  # rows decided without a request, by status
 
 
-class _Dispatcher:
+class Dispatcher:
     """One dispatch call's state: the connection, the lifecycle store (apply, rebatch, batches)."""
 
     def __init__(self, conn: psycopg.Connection, renderer: Renderer, run: RunContext, batch_size: int,
@@ -153,9 +154,7 @@ class _Dispatcher:
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
-            row = self.conn.execute(query("scheduled", "due_wait"),
-                                    {"coalesce": coalesce, "batch": self.batch_size}).fetchone()
-        return None if row is None or row[0] is None else float(row[0])
+            return ScheduledStore(self.conn).due_wait(coalesce, self.batch_size)
 
     def prepare(self, campaign: Campaign, rows: Sequence[MintedRow]) -> PreparedBatch:
         """Render a claimed chunk; its key is assigned by the store when the batch is saved
@@ -165,13 +164,13 @@ class _Dispatcher:
 
     def _campaign(self, name: str) -> Campaign:
         if name not in self.campaigns:
-            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            c = ScheduledStore(self.conn).campaign_by_name(name)
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaigns[name] = _render_campaign(c)
         return self.campaigns[name]
 
-    def claim(self) -> tuple[int, _Claim | None]:
+    def claim(self) -> tuple[int, Claim | None]:
         """Cancel suppressed due rows, pick one campaign's due rows, pass them through the contact
         guard, claim the rest, render and store the batch: one transaction (a crash leaves either
         pending rows or sending rows with their bytes).
@@ -189,30 +188,29 @@ class _Dispatcher:
         campaign whose rows were picked (the dispatcher pauses it and goes on)."""
         self.claiming = None
         with self.conn.transaction():
-            suppressed = len(self.conn.execute(query("scheduled", "cancel_suppressed_due"), self.who).fetchall())
-            picked = self.conn.execute(query("scheduled", "pick_due"), self.who | {"limit": self.batch_size}).fetchall()
+            suppressed = ScheduledStore(self.conn).cancel_suppressed_due(self.who)
+            picked = ScheduledStore(self.conn).pick_due(self.who, self.batch_size)
             if not picked:
                 return suppressed, None
             self.claiming = str(picked[0][4])  # the campaign at fault if what follows raises
             crow = self._campaign_row(str(picked[0][4]))
             decided = self._guard(crow, picked)
             if decided:
-                self.conn.execute(query("scheduled", "decide_rows"), self.who | {
-                    "ids": list(decided), "statuses": [d[0] for d in decided.values()],
-                    "reasons": [d[1] for d in decided.values()], "ats": [d[2] for d in decided.values()]})
+                ScheduledStore(self.conn).decide_rows(
+                    self.who, list(decided), [d[0] for d in decided.values()],
+                    [d[1] for d in decided.values()], [d[2] for d in decided.values()])
             go = [r for r in picked if int(r[0]) not in decided]
             found: list[Any] = []
             if go:
                 addrs = [normalise_address(r[2]) for r in go]
-                found = self.conn.execute(query("scheduled", "claim_rows"), self.who | {
-                    "ids": [int(r[0]) for r in go], "emails": [a.send for a in addrs],
-                    "keys": [a.key for a in addrs]}).fetchall()
+                found = ScheduledStore(self.conn).claim_rows(
+                    self.who, [int(r[0]) for r in go], [a.send for a in addrs], [a.key for a in addrs])
             counts: dict[str, int] = {}
             for st, _, _at in decided.values():
                 k = "deferred" if st == "pending" else st
                 counts[k] = counts.get(k, 0) + 1
             if not found:
-                return suppressed + counts.pop("cancelled", 0), _Claim(
+                return suppressed + counts.pop("cancelled", 0), Claim(
                     self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
             suppressed += counts.pop("cancelled", 0)
             campaign = self._campaign(str(found[0][4]))
@@ -242,11 +240,11 @@ class _Dispatcher:
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
-        return suppressed, _Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
+        return suppressed, Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:
-            c = _one(self.conn, query("scheduled", "campaigns_by_name"), {"names": [name]})
+            c = ScheduledStore(self.conn).campaign_by_name(name)
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaign_rows[name] = c
@@ -312,7 +310,7 @@ class _Dispatcher:
                                            "after that (every plan day full or without window time): skipped", None)
         return out
 
-    def send(self, claim: _Claim, provider: Any, deadline: float, summary: DispatchSummary,
+    def send(self, claim: Claim, provider: Any, deadline: float, summary: DispatchSummary,
              slot: float | None = None) -> Outcome:
         assert claim.batch is not None
         campaign = claim.campaign
@@ -321,7 +319,7 @@ class _Dispatcher:
         self.count(claim, outcome, applied, batch, summary)
         return outcome
 
-    def count(self, claim: _Claim, outcome: Outcome, applied: Any, batch: PreparedBatch,
+    def count(self, claim: Claim, outcome: Outcome, applied: Any, batch: PreparedBatch,
               summary: DispatchSummary) -> None:
         """Add one sent chunk's row changes to ``summary`` and log them."""
         campaign = claim.campaign

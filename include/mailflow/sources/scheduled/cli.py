@@ -13,8 +13,8 @@ from typing import Any
 
 import psycopg
 
-from mailflow.sendloop.outcome import RunContext
-from mailflow.sources.scheduled.campaign_db import CampaignStateError, _json_default
+from mailflow.model.outcome import RunContext
+from mailflow.sources.scheduled.campaign_db import CampaignStateError, json_default
 from mailflow.sources.scheduled.control import cancel, complete, pause, resume, status
 from mailflow.sources.scheduled.provisioning import provision
 from mailflow.sources.scheduled.spec import create_campaign, load_spec, resolve_campaign
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                   "start it with `make psql` (it prints the DSN and keeps running after \\q), `make airflow`, "
                   "or `make demo DEMO_ARGS=--keep-db`; `make stop` stops it", file=sys.stderr)
         return 2
-    print(json.dumps(out, indent=2, default=_json_default))
+    print(json.dumps(out, indent=2, default=json_default))
     return 0
 
 

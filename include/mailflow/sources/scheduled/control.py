@@ -11,19 +11,18 @@ from typing import Any
 
 import psycopg
 
-from mailflow.sendloop.outcome import RunContext
+from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import (
     CampaignStateError,
-    _actor,
-    _db_now,
-    _event,
-    _json_default,
-    _lock,
-    _one,
-    _used_on_day,
+    actor_name,
+    db_now,
+    json_default,
+    lock_campaign,
+    record_event,
+    used_on_day,
 )
 from mailflow.sources.scheduled.planning import plan_after, plan_spec
-from mailflow.store.sql import query
+from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +31,14 @@ def _transition(conn: psycopg.Connection, campaign_id: int, allowed: Sequence[st
                 actor: str | None, **detail: Any) -> tuple[dict[str, Any], bool]:
     """Lock the campaign and move it to ``to_status`` from one of ``allowed`` (in the caller's
     transaction). Returns ``(row before, changed)``; already in ``to_status`` = not changed."""
-    c = _lock(conn, campaign_id)
+    c = lock_campaign(conn, campaign_id)
     if c["status"] == to_status:
         return c, False
     if c["status"] not in allowed:
         raise CampaignStateError(f"campaign {c['name']!r} is {c['status']}: cannot become {to_status} "
                                  f"(only from {', '.join(allowed)})")
-    conn.execute(query("scheduled", "campaign_set_status"),
-                 {"id": campaign_id, "from_status": c["status"], "to_status": to_status})
-    _event(conn, campaign_id, c["status"], to_status, actor, **detail)
+    ScheduledStore(conn).set_status(campaign_id, c["status"], to_status)
+    record_event(conn, campaign_id, c["status"], to_status, actor, **detail)
     return c, True
 
 
@@ -59,10 +57,9 @@ def cancel(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = No
     run = run or RunContext()
     with conn.transaction():
         c, changed = _transition(conn, campaign_id, ("draft", "scheduled", "paused"), "cancelled",
-                                 _actor(run, actor))
-        n = len(conn.execute(query("scheduled", "cancel_pending"), {
-            "campaign": c["name"], "reason": "campaign cancelled",
-            "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}).fetchall())
+                                 actor_name(run, actor))
+        n = ScheduledStore(conn).cancel_pending(c["name"], "campaign cancelled", {
+            "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
     log.info("campaign %s cancelled: %d pending rows cancelled", c["name"], n)
     return {"campaign": c["name"], "status": "cancelled", "changed": changed, "rows_cancelled": n}
 
@@ -88,13 +85,13 @@ def hold(conn: psycopg.Connection, name: str, reason: str, *, actor: str | None 
         paused, cancelled, completed) or does not exist.
     """
     with conn.transaction():
-        row = conn.execute(query("scheduled", "campaign_id_by_name"), {"name": name}).fetchone()
-        if row is None:
+        found = ScheduledStore(conn).campaign_id_by_name(name)
+        if found is None:
             return False
-        c = _lock(conn, int(row[0]))
+        c = lock_campaign(conn, found)
         if c["status"] != "scheduled":
             return False
-        _transition(conn, int(row[0]), ("scheduled",), "paused", actor, reason=reason[:1000])
+        _transition(conn, found, ("scheduled",), "paused", actor, reason=reason[:1000])
     log.error("campaign %s paused: %s", name, reason)
     return True
 
@@ -112,25 +109,24 @@ def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None =
     :raises CampaignStateError: if the campaign is not paused (or scheduled).
     """
     with conn.transaction():
-        at = now or _db_now(conn)
+        at = now or db_now(conn)
         if at.tzinfo is None:
             raise ValueError("now must be a timezone-aware datetime")
-        c = _lock(conn, campaign_id)
+        c = lock_campaign(conn, campaign_id)
         if c["status"] == "scheduled":
             return {"campaign": c["name"], "status": "scheduled", "changed": False, "overdue": 0,
                     "replanned": 0, "first": None, "last": None}
         if c["status"] != "paused":
             raise CampaignStateError(f"campaign {c['name']!r} is {c['status']}: only a paused campaign resumes")
-        pending = conn.execute(query("scheduled", "pending_in_order"), {"campaign": c["name"]}).fetchall()
+        pending = ScheduledStore(conn).pending_in_order(c["name"])
         overdue = sum(1 for _, t in pending if t < at)
         times: list[datetime] = []
         if overdue:
             spec = plan_spec(c)
-            skip = _used_on_day(conn, c, spec, at, include_pending=False)
+            skip = used_on_day(conn, c, spec, at, include_pending=False)
             times = list(plan_after(spec, at, skip, None, len(pending)))
-            conn.execute(query("scheduled", "replan_rows"), {"ids": [r[0] for r in pending], "times": times})
-            conn.execute(query("scheduled", "set_plan"), {
-                "id": campaign_id, "plan_start": at, "plan_skip": skip, "planned_through": times[-1]})
+            ScheduledStore(conn).replan_rows([r[0] for r in pending], times)
+            ScheduledStore(conn).set_plan(campaign_id, at, skip, times[-1])
         _transition(conn, campaign_id, ("paused",), "scheduled", actor, overdue=overdue, replanned=len(times),
                     resumed_at=at.isoformat(), first=times[0].isoformat() if times else None,
                     last=times[-1].isoformat() if times else None)
@@ -144,7 +140,7 @@ def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor:
     """Mark ``scheduled`` campaigns ``completed`` when their list is fully provisioned and no row
     is ``pending`` or ``sending`` (only ``campaign_id`` if given); return the names completed."""
     with conn.transaction():
-        rows = conn.execute(query("scheduled", "complete_finished"), {"id": campaign_id, "actor": actor}).fetchall()
+        rows = ScheduledStore(conn).complete_finished(campaign_id, actor)
     return [str(r[1]) for r in rows]
 
 
@@ -153,11 +149,10 @@ def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     lateness (``sent_at - scheduled_at``) p50/p99 in seconds, and for a paused campaign
     ``paused_reason`` (why the dispatcher paused it, or None). Datetimes as ISO text."""
     with conn.transaction():
-        c = _one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
+        c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
-        counts = _one(conn, query("scheduled", "campaign_counts"), {"campaign": c["name"]}) or {}
-        reason = conn.execute(query("scheduled", "pause_reason"), {"id": campaign_id}).fetchone() \
-            if c["status"] == "paused" else None
-    out = {**c, "rows": counts, "paused_reason": reason[0] if reason else None}
-    return json.loads(json.dumps(out, default=_json_default))
+        counts = ScheduledStore(conn).campaign_counts(c["name"]) or {}
+        reason = ScheduledStore(conn).pause_reason(campaign_id) if c["status"] == "paused" else None
+    out = {**c, "rows": counts, "paused_reason": reason}
+    return json.loads(json.dumps(out, default=json_default))

@@ -10,9 +10,11 @@ from typing import Any
 
 import psycopg
 
+from mailflow.model.apply_by_index import campaign_field
+from mailflow.model.clock import Clock, SystemClock
+from mailflow.model.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
+from mailflow.model.policy import ContactPolicy
 from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
-from mailflow.sendloop.apply_by_index import campaign_field
-from mailflow.sendloop.clock import Clock, SystemClock
 from mailflow.sendloop.engine import (
     MAX_BATCH,
     ChunkPipeline,
@@ -21,12 +23,10 @@ from mailflow.sendloop.engine import (
     release_unsent,
     reserve_slot,
 )
-from mailflow.sendloop.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.campaign_db import _actor
-from mailflow.sources.scheduled.claiming import DispatchSummary, _Claim, _Dispatcher
+from mailflow.sources.scheduled.campaign_db import actor_name
+from mailflow.sources.scheduled.claiming import Claim, Dispatcher, DispatchSummary
 from mailflow.sources.scheduled.control import complete, hold
-from mailflow.store.policy import ContactPolicy
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH} emails (provider batch limit), got {batch_size}")
     clock = clock or SystemClock()
     run = run or RunContext()
-    d = _Dispatcher(conn, renderer, run, batch_size, policy)
+    d = Dispatcher(conn, renderer, run, batch_size, policy)
     d.key_identity = key_identity_of(provider)
     summary = DispatchSummary()
     t0 = clock.monotonic()
@@ -96,7 +96,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     slot: float | None = None
     pipe = ChunkPipeline(d.store, provider, run, enabled=pipelined)
     breaker = breaker or CircuitBreaker.for_run(conn, provider, run)
-    actor = _actor(run, "dispatcher")
+    actor = actor_name(run, "dispatcher")
 
     def pause_campaign(name: str, reason: str) -> None:
         """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""
@@ -121,7 +121,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
             return None
         chunk, outcome, applied, batch = done
         claim = chunk.tag
-        assert isinstance(claim, _Claim)
+        assert isinstance(claim, Claim)
         d.count(claim, outcome, applied, batch, summary)
         breaker.record(outcome)  # a whole-request failure opens it for every sender
         fault = campaign_fault(outcome)
@@ -231,7 +231,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                 drain()
         finally:
             pipe.close()
-    summary.completed = complete(conn, actor=_actor(run, "dispatcher"))
+    summary.completed = complete(conn, actor=actor_name(run, "dispatcher"))
     summary.seconds = clock.monotonic() - t0
     log.info("dispatch: %s", summary.as_dict())
     if breaker.opened_by_run is not None:

@@ -349,17 +349,17 @@ def plan_spec(campaign: Mapping[str, Any]) -> PlanSpec:
                     windows=tuple(Window.parse(str(w)) for w in campaign["windows"]))
 
 
-def _local_midnight(day: date, spec: PlanSpec) -> datetime:
+def local_midnight(day: date, spec: PlanSpec) -> datetime:
     """The first instant (UTC) of plan day ``day``: ``spec.day_start`` (00:00 unless a window crosses
     midnight) on that local date (in a DST gap: the instant after it)."""
     return datetime.combine(day, spec.day_start, tzinfo=spec.zone).astimezone(UTC)
 
 
-def _day_bounds(at: datetime, spec: PlanSpec) -> tuple[datetime, datetime]:
+def day_bounds(at: datetime, spec: PlanSpec) -> tuple[datetime, datetime]:
     """``[start, end)`` in UTC of the plan day of ``at`` in the campaign's zone (see
     :func:`mailflow.sources.scheduled.planning.plan_day`: a window crossing midnight counts towards its first date)."""
     day = plan_day(spec, at)
-    return _local_midnight(day, spec), _local_midnight(day + timedelta(days=1), spec)
+    return local_midnight(day, spec), local_midnight(day + timedelta(days=1), spec)
 
 
 def plan_after(spec: PlanSpec, plan_start: datetime, plan_skip: int, planned_through: datetime | None,
@@ -380,7 +380,7 @@ def plan_after(spec: PlanSpec, plan_start: datetime, plan_skip: int, planned_thr
     if day <= plan_day(spec, plan_start):
         start = plan_start
     else:
-        start = _local_midnight(day, spec)
+        start = local_midnight(day, spec)
     # the local day of planned_through holds at most emails_per_day instants up to and including it
     times = plan_send_times(spec, count + spec.emails_per_day + plan_skip, start)
     return islice(dropwhile(lambda t: t <= planned_through, times), count)

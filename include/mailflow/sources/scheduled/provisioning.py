@@ -13,17 +13,21 @@ from typing import Any
 import jinja2
 import psycopg
 from psycopg import sql as pgsql
-from psycopg.types.json import Jsonb
 
 from mailflow import settings
 from mailflow.campaigns import CAMPAIGNS_DIR
 from mailflow.campaigns.templating import check_campaign_templates, subject_template
-from mailflow.sendloop.outcome import RunContext
-from mailflow.sources.scheduled.campaign_db import _actor, _event, _lock, _one, _used_on_day
+from mailflow.model.outcome import RunContext
+from mailflow.sources.scheduled.campaign_db import (
+    actor_name,
+    lock_campaign,
+    record_event,
+    used_on_day,
+)
 from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
-from mailflow.sources.scheduled.spec import _TABLE, _check_templates, _recipients_file
+from mailflow.sources.scheduled.spec import TABLE_NAME, check_templates, recipients_file
 from mailflow.store.policy import mailbox_key
-from mailflow.store.sql import query
+from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +77,9 @@ class ProvisionSummary:
 def _recipient_source(conn: psycopg.Connection, c: Mapping[str, Any]) -> pgsql.Composable:
     """The campaign's recipient query (trusted: a version-controlled file, or a checked table name)."""
     if c["recipients_sql"]:
-        text = _recipients_file(str(c["recipients_sql"]), c["name"]).read_text(encoding="utf-8")
+        text = recipients_file(str(c["recipients_sql"]), c["name"]).read_text(encoding="utf-8")
         return pgsql.SQL(text.strip().rstrip(";"))  # trusted file from the package
-    m = _TABLE.match(str(c["recipients_table"] or ""))
+    m = TABLE_NAME.match(str(c["recipients_table"] or ""))
     if not m:
         raise ValueError(f"campaign {c['name']!r}: recipients_table {c['recipients_table']!r} is not a table name")
     schema, table = m.group(1) or "public", m.group(2)
@@ -132,12 +136,12 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     summary = ProvisionSummary(campaign_id=campaign_id, dry_run=dry_run)
     if dry_run:
         return _dry_run(conn, campaign_id, now, summary)
-    actor = _actor(run, None)
+    actor = actor_name(run, None)
     per_day: dict[date, int] = {}
     subject_t: jinja2.Template | None = None
     while True:
         with conn.transaction():
-            c = _lock(conn, campaign_id)
+            c = lock_campaign(conn, campaign_id)
             spec = plan_spec(c)
             summary.campaign, summary.timezone, summary.emails_per_day = c["name"], spec.timezone, spec.emails_per_day
             if c["status"] in ("cancelled", "completed"):
@@ -147,26 +151,23 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 log.info("campaign %s is %s: nothing to provision", c["name"], c["status"])
                 break
             if subject_t is None:
-                _check_templates(c["template"], c["name"])
+                check_templates(c["template"], c["name"])
                 # a campaign created before subjects were checked: refused here, never run
                 check_campaign_templates(c["name"], c["subject"], c["template"], CAMPAIGNS_DIR / "templates")
                 subject_t = subject_template(c["subject"])
             plan_start = c["plan_start"] or max(c["start_at"], now)
             source = _recipient_source(conn, c)
             after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
-            page = conn.execute(pgsql.SQL(query("scheduled", "recipients_page")).format(source=source),
-                                {"after": after, "limit": chunk, "campaign": c["name"],
-                                 "campaign_id": campaign_id}).fetchall()
+            page = ScheduledStore(conn).recipients_page(source, after, chunk, c["name"], campaign_id)
             current = c["status"]
             if current == "draft":
-                conn.execute(query("scheduled", "campaign_set_status"),
-                             {"id": campaign_id, "from_status": "draft", "to_status": "scheduled"})
-                _event(conn, campaign_id, "draft", "scheduled", actor, reason="provisioning started")
+                ScheduledStore(conn).set_status(campaign_id, "draft", "scheduled")
+                record_event(conn, campaign_id, "draft", "scheduled", actor, reason="provisioning started")
                 current = "scheduled"
             if not page:
-                conn.execute(query("scheduled", "mark_provisioned"), {"id": campaign_id, "plan_start": plan_start})
+                ScheduledStore(conn).mark_provisioned(campaign_id, plan_start)
                 if c["provisioned_at"] is None:
-                    _event(conn, campaign_id, current, current, actor, reason="provisioned",
+                    record_event(conn, campaign_id, current, current, actor, reason="provisioned",
                            provisioned_count=int(c["provisioned_count"]),
                            planned_through=c["planned_through"].isoformat() if c["planned_through"] else None)
                 summary.complete = True
@@ -182,9 +183,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
             if times and times[0] < now:
                 # the plan ran out while provisioning was stopped: continue from now, not in the past
                 plan_start, planned_through = now, None
-                plan_skip = _used_on_day(conn, c, spec, now, include_pending=True)
-                conn.execute(query("scheduled", "set_plan"), {
-                    "id": campaign_id, "plan_start": plan_start, "plan_skip": plan_skip, "planned_through": None})
+                plan_skip = used_on_day(conn, c, spec, now, include_pending=True)
+                ScheduledStore(conn).set_plan(campaign_id, plan_start, plan_skip, None)
                 times = list(plan_after(spec, plan_start, plan_skip, None, len(usable)))
                 summary.reanchored = True
             rows = []
@@ -200,13 +200,10 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                              "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
             created = 0
             if rows:
-                res = conn.execute(query("scheduled", "provision_rows"), {
-                    "campaign": c["name"], "page": Jsonb(rows),
-                    "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id}).fetchone()
-                created = int(res[0]) if res else 0
-            conn.execute(query("scheduled", "advance_checkpoint"), {
-                "id": campaign_id, "created": created, "cursor": cursor,
-                "planned_through": times[-1] if times else planned_through, "plan_start": plan_start})
+                created = ScheduledStore(conn).provision_rows(c["name"], rows, {
+                    "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
+            ScheduledStore(conn).advance_checkpoint(campaign_id, created, cursor,
+                                                    times[-1] if times else planned_through, plan_start)
         summary.chunks += 1
         summary.created += created
         summary.skipped_existing += len(rows) - created
@@ -231,16 +228,13 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
 
 def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary: ProvisionSummary) -> ProvisionSummary:
     with conn.transaction():
-        c = _one(conn, query("scheduled", "campaign_by_id"), {"id": campaign_id})
+        c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         spec = plan_spec(c)
-        _check_templates(c["template"], c["name"])
+        check_templates(c["template"], c["name"])
         after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
-        row = conn.execute(pgsql.SQL(query("scheduled", "recipients_count")).format(
-            source=_recipient_source(conn, c)), {"after": after, "campaign": c["name"], "campaign_id": campaign_id}
-        ).fetchone()
-    remaining = int(row[0]) if row else 0
+        remaining = ScheduledStore(conn).recipients_count(_recipient_source(conn, c), after, c["name"], campaign_id)
     plan_start = c["plan_start"] or max(c["start_at"], now)
     times = list(plan_after(spec, plan_start, int(c["plan_skip"]), c["planned_through"], remaining))
     if times and times[0] < now:

@@ -16,13 +16,13 @@ import psycopg
 
 from mailflow.campaigns import CAMPAIGNS_DIR
 from mailflow.campaigns.templating import check_campaign_templates
-from mailflow.sources.scheduled.campaign_db import _event
+from mailflow.sources.scheduled.campaign_db import record_event
 from mailflow.sources.scheduled.planning import PlanSpec
 from mailflow.store.policy import ON_POLICY
-from mailflow.store.sql import query
+from mailflow.store.scheduled import ScheduledStore
 
 _NAME = re.compile(r"^[a-z0-9_]{1,64}$")
-_TABLE = re.compile(r"^(?:([a-z_][a-z0-9_]*)\.)?([a-z_][a-z0-9_]*)$")
+TABLE_NAME = re.compile(r"^(?:([a-z_][a-z0-9_]*)\.)?([a-z_][a-z0-9_]*)$")
 
 
 def resolve_campaign(conn: psycopg.Connection, ref: str | int) -> int:
@@ -33,20 +33,20 @@ def resolve_campaign(conn: psycopg.Connection, ref: str | int) -> int:
     if isinstance(ref, int) or str(ref).isdigit():
         return int(ref)
     with conn.transaction():
-        row = conn.execute(query("scheduled", "campaign_id_by_name"), {"name": str(ref)}).fetchone()
-    if row is None:
+        found = ScheduledStore(conn).campaign_id_by_name(str(ref))
+    if found is None:
         raise LookupError(f"no campaign named {ref!r}")
-    return int(row[0])
+    return found
 
 
-def _check_templates(template: str, label: str) -> None:
+def check_templates(template: str, label: str) -> None:
     for suffix in (".html.j2", ".txt.j2"):
         t = CAMPAIGNS_DIR / "templates" / f"{template}{suffix}"
         if not _NAME.match(template) or not t.is_file():
             raise ValueError(f"campaign {label!r}: template {t} not found")
 
 
-def _recipients_file(name: str, label: str) -> Path:
+def recipients_file(name: str, label: str) -> Path:
     stem = name[:-4] if name.endswith(".sql") else name
     path = CAMPAIGNS_DIR / "recipients" / f"{stem}.sql"
     if not _NAME.match(stem) or not path.is_file():
@@ -99,7 +99,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
                     emails_per_day=int(spec.get("emails_per_day", 20)),
                     weekdays=frozenset(int(d) for d in spec.get("weekdays", (1, 2, 3, 4, 5))),
                     windows=tuple(spec.get("windows", ("09:00-12:00", "14:00-17:00"))))
-    _check_templates(str(spec["template"]), label)
+    check_templates(str(spec["template"]), label)
     # subject and templates render in the sandbox: refuse one that tries to leave it here, not at send
     check_campaign_templates(label, str(spec["subject"]), str(spec["template"]), CAMPAIGNS_DIR / "templates")
     start_at = spec.get("start_at")
@@ -112,25 +112,23 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
         raise ValueError(f"campaign {label!r}: on_policy must be one of {', '.join(ON_POLICY)}, got {on_policy!r}")
     recipients_sql = recipients_table = None
     if spec.get("recipients_sql"):
-        recipients_sql = _recipients_file(str(spec["recipients_sql"]), label).stem
+        recipients_sql = recipients_file(str(spec["recipients_sql"]), label).stem
     elif spec.get("recipients_table"):
         recipients_table = str(spec["recipients_table"])
-        if not _TABLE.match(recipients_table):
+        if not TABLE_NAME.match(recipients_table):
             raise ValueError(f"campaign {label!r}: recipients_table {recipients_table!r} is not a table name")
     else:
         recipients_table = "mail.campaign_recipient"
     with conn.transaction():
-        row = conn.execute(query("scheduled", "campaign_insert"), {
+        campaign_id = ScheduledStore(conn).insert_campaign({
             "name": label, "timezone": plan.timezone, "emails_per_day": plan.emails_per_day,
             "weekdays": sorted(plan.weekdays), "windows": [str(w) for w in plan.windows], "start_at": start_at,
             "template": str(spec["template"]), "subject": str(spec["subject"]), "from_address": str(spec["from"]),
             "reply_to": spec.get("reply_to"), "recipients_sql": recipients_sql,
             "recipients_table": recipients_table, "marketing": bool(spec.get("marketing", True)),
             "on_policy": on_policy,
-        }).fetchone()
-        assert row is not None
-        campaign_id = int(row[0])
-        _event(conn, campaign_id, None, "draft", actor, spec={k: str(v) for k, v in spec.items()})
+        })
+        record_event(conn, campaign_id, None, "draft", actor, spec={k: str(v) for k, v in spec.items()})
         if spec.get("recipients_csv"):
             path = Path(str(spec["recipients_csv"]))
             if not path.is_absolute() and base_dir is not None:

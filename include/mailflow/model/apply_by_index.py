@@ -4,7 +4,7 @@ Resend's permissive batch answers ``{"data": [{"id"}...], "errors": [{"index", "
 (provider docs, batch validation modes). It does not state that ``data`` lists the accepted emails
 in request order; we rely on it (guarded by a contract test against the emulator and the official
 SDK) and refuse to guess whenever the response does not add up: then the outcome is
-:class:`~mailflow.sendloop.outcome.Unknown` and the rows stay ``sending`` for the reconciler.
+:class:`~mailflow.model.outcome.Unknown` and the rows stay ``sending`` for the reconciler.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mailflow.sendloop.outcome import Accepted, Outcome, Unknown
+from mailflow.model.outcome import Accepted, Outcome, Unknown
 
 #: Fields of an email object that are the same for every email of a campaign (the sender, the
 #: reply address, the headers, and what the campaign's templates render: subject, html, text, tags):
