@@ -148,7 +148,12 @@ def test_breaker_is_shared_and_probed_once(rig: Rig) -> None:
     dying = rig.conn()
     c = CircuitBreaker(dying, rig.emulator.base_url, "run-c", lease_seconds=3600)
     assert c.take_probe() and not b.take_probe()
+    dying_pid = dying.info.backend_pid
     dying.close()
+    for _ in range(100):  # the server ends the closed session's backend asynchronously
+        if rig.db.execute("select count(*) from pg_stat_activity where pid = %s", (dying_pid,)).fetchone() == (0,):
+            break
+        time.sleep(0.05)
     assert b.take_probe()
     b.release_probe()
 
