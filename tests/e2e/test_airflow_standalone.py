@@ -32,6 +32,7 @@ would otherwise create a second scheduled run whose 2-day window takes the late-
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -429,6 +430,7 @@ def test_docker_compose_refuses_to_run_without_its_secrets() -> None:
 def test_scale_out_on_two_celery_workers(pg_admin_dsn: str, tmp_path: Path) -> None:
     import argparse
 
+    sys.path.insert(0, str(ROOT / "scripts"))  # scale_demo is a script of the repository, not a module
     import scale_demo
 
     args = argparse.Namespace(
