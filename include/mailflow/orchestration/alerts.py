@@ -70,25 +70,30 @@ def task_failure_alert(context: Any) -> None:
     notifier(f"task failed: {where}: {context.get('exception')}", subject=f"mailflow task failed: {where}")(context)
 
 
+def _list_alert(header: str, items: list[str], subject: str, context: Any, shown: int = 50) -> None:
+    """One alert: ``header``, then one indented line per item (the first ``shown``, then how many more)."""
+    lines = [header] + [f"  {item}" for item in items[:shown]]
+    if len(items) > shown:
+        lines.append(f"  ... and {len(items) - shown} more")
+    notifier("\n".join(lines), subject=subject)(context)
+
+
 def feedback_alert(lines: list[str], context: Any) -> None:
     """Alert once for the feedback decisions a person must look at (recipient mismatches, provider
     failures); each line names the send-log row, the masked address and the provider id."""
     if not lines:
         return
-    body = [f"deliverability feedback: {len(lines)} email(s) need a look (nothing was suppressed for them):"]
-    body += [f"  {line}" for line in lines[:50]] + ([f"  ... and {len(lines) - 50} more"] if len(lines) > 50 else [])
-    notifier("\n".join(body), subject=f"mailflow: {len(lines)} feedback decision(s) to check")(context)
+    _list_alert(f"deliverability feedback: {len(lines)} email(s) need a look (nothing was suppressed for them):",
+                lines, f"mailflow: {len(lines)} feedback decision(s) to check", context)
 
 
 def dead_letter_alert(dead_letters: list[dict[str, Any]], context: Any) -> None:
     """Alert once for the dead letters a reconcile run created (no-op for an empty list)."""
     if not dead_letters:
         return
-    lines = [f"{len(dead_letters)} email(s) dead-lettered; a person must decide (mail.send_log.dead_lettered_at):"]
-    lines += [f"  send_log.id={d['id']} campaign={d['campaign']} to={d['email']}: {d['error']}" for d in dead_letters[:50]]
-    if len(dead_letters) > 50:
-        lines.append(f"  ... and {len(dead_letters) - 50} more")
-    notifier("\n".join(lines), subject=f"mailflow: {len(dead_letters)} dead letter(s)")(context)
+    _list_alert(f"{len(dead_letters)} email(s) dead-lettered; a person must decide (mail.send_log.dead_lettered_at):",
+                [f"send_log.id={d['id']} campaign={d['campaign']} to={d['email']}: {d['error']}" for d in dead_letters],
+                f"mailflow: {len(dead_letters)} dead letter(s)", context)
 
 
 def held_batch_alert(held: list[dict[str, Any]], context: Any) -> None:
@@ -98,14 +103,12 @@ def held_batch_alert(held: list[dict[str, Any]], context: Any) -> None:
     if not held:
         return
     rows = sum(int(h["rows"]) for h in held)
-    lines = [f"{len(held)} ambiguous batch(es), {rows} email(s), held: first sent under an API key that is no "
-             "longer configured; resending them under another key could deliver twice. Put the old key in the "
-             "connection's previous_api_keys (docs/operations.md, 'Rotating the API key'); past their "
-             "idempotency window they become dead letters. `mailflow keys` lists them."]
-    lines += [f"  batch {h['key']} campaign={h['campaign']} rows={h['rows']} key={h['key_identity']}" for h in held[:50]]
-    if len(held) > 50:
-        lines.append(f"  ... and {len(held) - 50} more")
-    notifier("\n".join(lines), subject=f"mailflow: {len(held)} batch(es) held for a missing API key")(context)
+    _list_alert(f"{len(held)} ambiguous batch(es), {rows} email(s), held: first sent under an API key that is no "
+                "longer configured; resending them under another key could deliver twice. Put the old key in the "
+                "connection's previous_api_keys (docs/operations.md, 'Rotating the API key'); past their "
+                "idempotency window they become dead letters. `mailflow keys` lists them.",
+                [f"batch {h['key']} campaign={h['campaign']} rows={h['rows']} key={h['key_identity']}" for h in held],
+                f"mailflow: {len(held)} batch(es) held for a missing API key", context)
 
 
 def key_refused_alert(refused: list[dict[str, Any]], context: Any) -> None:
@@ -115,11 +118,9 @@ def key_refused_alert(refused: list[dict[str, Any]], context: Any) -> None:
     empty list). Each line names the batch, its campaign and key identity (never a key)."""
     if not refused:
         return
-    lines = [f"{len(refused)} ambiguous batch(es) could not be resent: the provider refused the previous API key "
-             "they were first sent under. They are kept ambiguous (resending under another key could deliver "
-             "twice). Keep (or restore) that key until `mailflow keys` shows nothing needs it (docs/operations.md, "
-             "'Rotating the API key'); past their idempotency window they become dead letters."]
-    lines += [f"  batch {r['key']} campaign={r['campaign']} key={r['key_identity']}" for r in refused[:50]]
-    if len(refused) > 50:
-        lines.append(f"  ... and {len(refused) - 50} more")
-    notifier("\n".join(lines), subject=f"mailflow: a previous API key was refused ({len(refused)} batch(es))")(context)
+    _list_alert(f"{len(refused)} ambiguous batch(es) could not be resent: the provider refused the previous API key "
+                "they were first sent under. They are kept ambiguous (resending under another key could deliver "
+                "twice). Keep (or restore) that key until `mailflow keys` shows nothing needs it (docs/operations.md, "
+                "'Rotating the API key'); past their idempotency window they become dead letters.",
+                [f"batch {r['key']} campaign={r['campaign']} key={r['key_identity']}" for r in refused],
+                f"mailflow: a previous API key was refused ({len(refused)} batch(es))", context)

@@ -222,8 +222,6 @@ def rerun_backfills(conn: psycopg.Connection) -> list[str]:
     :raises ValueError: if ``conn`` is inside a transaction, or a file names an unknown step.
     :raises psycopg.Error: from a failing step (it is simply run again).
     """
-    from mailflow.store.backfill import STEPS
-
     if conn.info.transaction_status != TransactionStatus.IDLE:
         raise ValueError("rerun_backfills() needs an idle connection")
     conn.autocommit = True
@@ -236,17 +234,26 @@ def rerun_backfills(conn: psycopg.Connection) -> list[str]:
                 continue
             for statement in m.statements():
                 if statement.startswith(PYTHON_STEP):
-                    name = statement[len(PYTHON_STEP):]
-                    if name not in STEPS:
-                        raise ValueError(f"{m.name}: no backfill step named {name!r} in mailflow.store.backfill")
-                    log.info("%s: running the backfill step %s again", m.name, name)
-                    STEPS[name](conn)
-                    ran.append(name)
+                    ran.append(_run_step(conn, m, statement, again=True))
         return ran
     finally:
         if conn.info.transaction_status != TransactionStatus.IDLE:
             conn.rollback()
         conn.execute("select pg_advisory_unlock(%s)", (LOCK_KEY,))
+
+
+def _run_step(conn: psycopg.Connection, m: Migration, statement: str, *, again: bool = False) -> str:
+    """Run the Python backfill step a ``-- migrate: python <name>`` line of ``m`` names; return its name.
+
+    :raises ValueError: if :mod:`mailflow.store.backfill` has no step of that name."""
+    from mailflow.store.backfill import STEPS
+
+    name = statement[len(PYTHON_STEP):]
+    if name not in STEPS:
+        raise ValueError(f"{m.name}: no backfill step named {name!r} in mailflow.store.backfill")
+    log.info("%s: running the backfill step %s%s", m.name, name, " again" if again else "")
+    STEPS[name](conn)
+    return name
 
 
 def _record(conn: psycopg.Connection, m: Migration) -> None:
@@ -276,13 +283,7 @@ def _apply_concurrently(conn: psycopg.Connection, m: Migration) -> None:
     try:
         for statement in m.statements():
             if statement.startswith(PYTHON_STEP):
-                from mailflow.store.backfill import STEPS
-
-                name = statement[len(PYTHON_STEP):]
-                if name not in STEPS:
-                    raise ValueError(f"{m.name}: no backfill step named {name!r} in mailflow.store.backfill")
-                log.info("%s: running the backfill step %s", m.name, name)
-                STEPS[name](conn)
+                _run_step(conn, m, statement)
                 continue
             index = _CREATE_INDEX.match(statement)
             if index is not None:
