@@ -11,7 +11,7 @@ of the user. The guard stops the one at fault first. The defaults come from the 
 * complaints: 0.3 %. Gmail and Yahoo's bulk-sender rules (2024): keep the spam rate under 0.1 % and
   never reach 0.3 %; SES reviews at about 0.1 % and may pause at about 0.5 %.
 * minimum sample: 500 emails with an outcome (below it one unlucky email is a large rate); window:
-  emails sent in the last 24 hours, at most the latest 10,000 of them with an outcome.
+  emails sent in the last 24 hours, at most the latest 2,000 of them with an outcome.
 
 A scope is evaluated over its recent outcomes: sent emails (``mail.send_log``, ``status = 'sent'``)
 whose ``mail.delivery_status.outcome`` is set, sent within the window and after the scope's last
@@ -61,8 +61,12 @@ class GuardConfig:
         Gmail/Yahoo's "never reach 0.3 %").
     :param min_sample: no trip before this many emails with an outcome (default 500).
     :param window: only emails sent this recently count (default 24 hours).
-    :param max_sample: at most this many of the latest emails with an outcome count (default 10,000):
-        the rate follows the recent sends and one evaluation reads a bounded number of rows.
+    :param max_sample: at most this many of the latest emails with an outcome count (default 2,000),
+        found among the newest ``2 * max_sample`` sent emails (:attr:`walk`): the rate follows the
+        recent sends and one evaluation reads a bounded number of rows (a few ms per scope).
+    :param account_every: the account scope (every campaign's emails: the costlier read) is read at
+        most this often (default 1 s); a call within it evaluates the campaigns only. An outcome is
+        counted for the account by the next evaluation after that, at the latest the feedback DAG's.
 
     Environment overrides (per deployment): ``MAILFLOW_GUARD_HARD_BOUNCE_RATE``,
     ``MAILFLOW_GUARD_COMPLAINT_RATE``, ``MAILFLOW_GUARD_MIN_SAMPLE``, ``MAILFLOW_GUARD_WINDOW_HOURS``,
@@ -73,7 +77,14 @@ class GuardConfig:
     complaint_rate: float = 0.003
     min_sample: int = 500
     window: timedelta = timedelta(hours=24)
-    max_sample: int = 10_000
+    max_sample: int = 2_000
+    account_every: timedelta = timedelta(seconds=1)
+
+    @property
+    def walk(self) -> int:
+        """How many of the newest sent emails one evaluation reads at most to find ``max_sample``
+        outcomes (twice as many: the newest sends often have no outcome yet)."""
+        return 2 * self.max_sample
 
     def __post_init__(self) -> None:
         for name in ("hard_bounce_rate", "complaint_rate"):
@@ -197,31 +208,33 @@ def evaluate(conn: psycopg.Connection, campaigns: Iterable[str], *, config: Guar
     names = sorted({str(c) for c in campaigns})
     trips: list[Trip] = []
     with conn.transaction():
+        conn.execute(query("reputation", "no_jit"))
         acct = (account or guard_account(conn)) if include_account else None
         scopes = [("campaign", n) for n in names] + ([("account", acct)] if acct is not None else [])
         if not scopes:
             return []
         with conn.cursor(row_factory=dict_row) as cur:
             rows = {(r["scope"], r["name"]): r for r in cur.execute(
-                query("reputation", "scopes"), {"campaigns": names, "account": acct}).fetchall()}
+                query("reputation", "scopes"), {"campaigns": names, "account": acct,
+                                                "every": config.account_every.total_seconds()}).fetchall()}
         missing = [s for s in scopes if s not in rows]
         if missing:
             conn.execute(query("reputation", "ensure_scopes"), {"scopes": [s for s, _ in missing],
                                                                "names": [n for _, n in missing]})
             for s in missing:
-                rows[s] = {"scope": s[0], "name": s[1], "state": "ok", "resumed_at": None}
+                rows[s] = {"scope": s[0], "name": s[1], "state": "ok", "resumed_at": None, "fresh": False}
         window = config.window.total_seconds()
         counts: dict[tuple[str, str], tuple[int, int, int]] = {}
         live = [n for n in names if rows[("campaign", n)]["state"] == "ok"]
         if live:
             for name, sample, hard, complaints in conn.execute(query("reputation", "campaign_rates"), {
                     "names": live, "resumed": [rows[("campaign", n)]["resumed_at"] for n in live],
-                    "window": window, "max_sample": config.max_sample}).fetchall():
+                    "window": window, "max_sample": config.max_sample, "walk": config.walk}).fetchall():
                 counts[("campaign", str(name))] = (int(sample), int(hard), int(complaints))
-        if acct is not None and rows[("account", acct)]["state"] == "ok":
+        if acct is not None and rows[("account", acct)]["state"] == "ok" and not rows[("account", acct)]["fresh"]:
             got = conn.execute(query("reputation", "account_rates"), {
                 "resumed": rows[("account", acct)]["resumed_at"], "window": window,
-                "max_sample": config.max_sample}).fetchone()
+                "max_sample": config.max_sample, "walk": config.walk}).fetchone()
             assert got is not None
             counts[("account", acct)] = (int(got[0]), int(got[1]), int(got[2]))
         if not counts:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -31,7 +32,7 @@ from mailflow.store import reputation
 from mailflow.store.reputation import GuardConfig
 from mailflow.store.send_log import PostgresStore
 
-CONFIG = GuardConfig(min_sample=100)  # the published thresholds (5 %, 0.3 %) with a small sample
+CONFIG = GuardConfig(min_sample=100, account_every=timedelta(0))  # the published thresholds, a small sample
 ACCOUNT = "https://api.resend.com"
 
 
@@ -128,7 +129,7 @@ def test_not_before_the_minimum_sample_even_at_100_percent_bounces(db: psycopg.C
 def test_default_thresholds_come_from_the_published_guidance_and_the_environment() -> None:
     d = GuardConfig()
     assert (d.hard_bounce_rate, d.complaint_rate, d.min_sample, d.window.total_seconds(), d.max_sample) == (
-        0.05, 0.003, 500, 86400, 10_000)
+        0.05, 0.003, 500, 86400, 2_000)
     env = GuardConfig.from_env({"MAILFLOW_GUARD_HARD_BOUNCE_RATE": "0.02", "MAILFLOW_GUARD_COMPLAINT_RATE": "0.001",
                                 "MAILFLOW_GUARD_MIN_SAMPLE": "200", "MAILFLOW_GUARD_WINDOW_HOURS": "6"})
     assert (env.hard_bounce_rate, env.complaint_rate, env.min_sample, env.window.total_seconds()) == (
@@ -186,6 +187,19 @@ def test_only_the_recent_window_and_the_latest_outcomes_count(db: psycopg.Connec
     emails(db, "other", 50, first_user=400_000)  # the latest 50 are all delivered
     assert reputation.evaluate(db, ["other"], config=capped, include_account=False) == []
     assert guard(db, "campaign", "other")["sample"] == 50
+
+
+def test_the_account_scope_is_read_at_most_once_per_account_every(db: psycopg.Connection) -> None:
+    emails(db, "welcome", 100)
+    every = GuardConfig(min_sample=100)  # the default: once per second
+    reputation.evaluate(db, ["welcome"], config=every, account=ACCOUNT)
+    emails(db, "welcome", 100, hard=100, first_user=300_000)
+    trips = reputation.evaluate(db, ["welcome"], config=every, account=ACCOUNT)
+    assert [(t.scope, t.sample) for t in trips] == [("campaign", 200)]  # the account was read < 1 s ago
+    assert guard(db, "account", ACCOUNT)["sample"] == 100
+    time.sleep(1.1)
+    assert [(t.scope, t.sample) for t in reputation.evaluate(db, ["welcome"], config=every, account=ACCOUNT)] == [
+        ("account", 200)]
 
 
 def test_an_account_trip_blocks_every_campaign(rig: Rig) -> None:
