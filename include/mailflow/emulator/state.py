@@ -76,7 +76,7 @@ class EmulatorState:
         """Clear emails, idempotency records, rate windows and stats; truncate the outbox."""
         if not keep_config:
             self.cfg = self.initial
-        self.hooks.clear()
+        self.hooks.clear(truncate=truncate)
         self.rng = random.Random(self.cfg.seed)
         self.clock_offset = 0.0
         self.emails: OrderedDict[str, dict[str, Any]] = OrderedDict()

@@ -31,9 +31,9 @@ import os
 import random
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO
 
 import h11
 from standardwebhooks.webhooks import Webhook
@@ -146,18 +146,30 @@ class WebhookDispatcher:
         self.queue: asyncio.Queue[Message] | None = None
         self.workers: list[asyncio.Task[None]] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._log: TextIO | None = open(self.cfg.webhook_log, "a", encoding="utf-8") if self.cfg.webhook_log else None
         self.clear()
 
     @property
     def cfg(self) -> EmulatorConfig:
-        return self._cfg()  # type: ignore[no-any-return]
+        return self._cfg()
+
+    def _journal(self, msg: Message) -> None:
+        """One JSON line per final message or copy (``msg.public()``), flushed at once."""
+        if self._log is not None and msg.gen == self.gen:
+            self._log.write(json.dumps(msg.public(), separators=(",", ":")) + "\n")
+            self._log.flush()
 
     # -- state -------------------------------------------------------------------------------------
-    def clear(self) -> None:
-        """Forget messages and counters and the API-registered endpoints; attempts already in flight
-        finish but schedule nothing more (generation check)."""
+    def clear(self, truncate: bool = False) -> None:
+        """Forget messages and counters and the API-registered endpoints (``truncate``: empty the
+        ``webhook_log`` too); attempts already in flight finish but schedule nothing more."""
         self.gen += 1
-        self.records: list[Message] = []
+        if truncate and self._log is not None:
+            self._log.seek(0)
+            self._log.truncate()
+            self._log.flush()
+        keep = int(self.cfg.webhook_records_max)
+        self.records: deque[Message] = deque(maxlen=keep if keep > 0 else None)
         self.in_flight = 0
         self.totals: dict[str, Any] = {
             "emails": 0, "messages": 0, "acknowledged": 0, "given_up": 0, "endpoint_gone": 0,
@@ -363,6 +375,7 @@ class WebhookDispatcher:
         msg.final = final
         if msg.gen == self.gen and msg.kind == "genuine":
             self.totals[final] += 1
+        self._journal(msg)
         if not msg.duplicate:
             msg.body = ""  # the accounting keeps the facts, not the bytes
 
@@ -388,6 +401,7 @@ class WebhookDispatcher:
         copy.final = "acknowledged" if acked else "rejected"
         if copy.final == "acknowledged":
             copy.acked_at = time.time()
+        self._journal(copy)
         if msg.gen == self.gen:
             self.totals[kind]["sent"] += 1
             self.totals[kind]["acknowledged"] += int(acked)

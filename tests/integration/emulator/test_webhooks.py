@@ -458,3 +458,33 @@ def test_json_bodies_are_resend_envelopes() -> None:
         for env in envelopes.values():
             assert sorted(env) == ["created_at", "data", "type"]
             assert json.loads(json.dumps(env))["data"]["email_id"] == eid
+
+
+def test_journal_and_bounded_records(tmp_path: Any) -> None:
+    journal = tmp_path / "webhooks.jsonl"
+    with WebhookSink([SECRET]) as sink, EmulatorProcess.with_webhooks(
+            sink.url, [SECRET], webhook_log=str(journal), webhook_records_max=3, webhook_stale_rate=1.0) as emu:
+        send(emu, ["anna@example.com", "ben@example.com"])
+        totals = emu.wait_webhooks()
+        assert (totals["messages"], totals["acknowledged"], totals["stale"]) == (4, 4, {"sent": 4, "acknowledged": 0})
+        assert len(emu.webhook_messages()) == 3  # the newest three of eight records
+        lines = [json.loads(line) for line in journal.read_text().splitlines()]
+        assert Counter((m["kind"], m["final"]) for m in lines) == {("genuine", "acknowledged"): 4,
+                                                                    ("stale", "rejected"): 4}
+        assert {m["svix_id"] for m in lines} == {r.svix_id for r in sink.received()}
+        emu.reset()
+        assert journal.read_text() == ""
+
+
+def test_deleting_an_endpoint_ends_its_pending_messages() -> None:
+    sink = WebhookSink([SECRET], port=free_port())  # never started: every attempt is refused
+    with EmulatorProcess(rate_limit=0, webhook_time_scale=0.0001) as emu, \
+            httpx.Client(base_url=emu.base_url, headers=emu.auth_headers) as c:
+        hook = c.post("/webhooks", json={"endpoint": sink.url, "events": ["email.sent"]}).json()
+        send(emu, ["anna@example.com"])
+        time.sleep(0.2)
+        assert c.delete(f"/webhooks/{hook['id']}").status_code == 200
+        totals = emu.wait_webhooks(timeout=30)
+        assert (totals["endpoint_gone"], totals["acknowledged"], totals["given_up"]) == (1, 0, 0)
+        (m,) = genuine(emu)
+        assert m["final"] == "endpoint_gone" and {a["status"] for a in m["attempts"]} == {"refused"}
