@@ -32,7 +32,7 @@ class EmulatorState:
         self.cfg = config
         self._outbox = open(config.outbox, "a", encoding="utf-8") if config.outbox else None
         self._idem_store: TextIO | None = None
-        self.hooks = WebhookDispatcher(lambda: self.cfg, self.now)
+        self.hooks = WebhookDispatcher(lambda: self.cfg)
         self.reset(keep_config=False, truncate=False)  # an existing outbox is appended to, never lost
         if config.idempotency_store:
             self._load_idem_store(config.idempotency_store)

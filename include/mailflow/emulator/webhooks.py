@@ -137,9 +137,8 @@ class WebhookDispatcher:
     next attempt. Times in the accounting are wall-clock epoch seconds.
     """
 
-    def __init__(self, get_config: Any, clock: Any):
-        self._cfg = get_config  # () -> EmulatorConfig
-        self._clock = clock  # () -> the emulator's epoch seconds (event times)
+    def __init__(self, get_config: Any):
+        self._cfg = get_config  # () -> EmulatorConfig (the emulator's current settings)
         self.endpoints: OrderedDict[str, Endpoint] = OrderedDict()
         self.gen = 0
         self.client: PostClient | None = None
@@ -211,11 +210,13 @@ class WebhookDispatcher:
 
     # -- the loop ----------------------------------------------------------------------------------
     def ensure_started(self) -> None:
-        """Start the worker pool and the shared client on the running loop (idempotent)."""
-        if self.workers:
+        """Start the worker pool and the shared client on the running loop (idempotent; a pool left on
+        another loop, as an in-process test client makes one per request, is replaced)."""
+        loop = asyncio.get_running_loop()
+        if self.workers and self.loop is loop:
             return
         n = max(1, int(self.cfg.webhook_concurrency))
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop
         self.client = PostClient()
         self.queue = asyncio.Queue()
         self.workers = [asyncio.create_task(self._worker(), name=f"webhook-worker-{i}") for i in range(n)]
