@@ -100,6 +100,13 @@ def test_webhook_api_shapes_auth_and_validation() -> None:
                                                                   "events": ["email.sent"]})
             assert (r.status_code, r.json()["name"]) == (401, "restricted_api_key")
         assert httpx.get(f"{emu.base_url}/webhooks").json()["name"] == "missing_api_key"
+        r = c.patch(f"/webhooks/{created['id']}", json={"events": ["email.sent"], "status": "disabled"})
+        assert r.json() == {"object": "webhook", "id": created["id"]}
+        got = c.get(f"/webhooks/{created['id']}").json()
+        assert (got["events"], got["status"]) == (["email.sent"], "disabled")
+        assert c.patch(f"/webhooks/{created['id']}", json={"status": "paused"}).status_code == 422
+        c.post("/emails", json=email("anna@example.com"))
+        assert emu.webhooks(limit=0)["totals"]["messages"] == 0  # a disabled endpoint gets nothing
         r = c.delete(f"/webhooks/{created['id']}")
         assert r.json() == {"object": "webhook", "id": created["id"], "deleted": True}
         assert c.get(f"/webhooks/{created['id']}").status_code == 404
