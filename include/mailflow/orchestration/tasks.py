@@ -123,7 +123,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
     campaigns = campaigns_param(params)
-    renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
+    renderer = Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url())
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
     budget = float(params.get("time_budget_seconds", 240))
     if not params.get("dry_run"):
@@ -233,7 +233,7 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
 
     params = context["params"]
     budget = budget_fits(context, float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)))
-    renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
+    renderer = Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url())
     with send_log_connection() as conn:
         require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
