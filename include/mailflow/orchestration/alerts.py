@@ -55,10 +55,10 @@ _NOTIFIERS = {
 }
 
 
-def alert_setting(spec: str | None = None) -> tuple[str, str, str, type[BaseNotifier] | None]:
+def alert_setting(spec: str | None = None) -> tuple[str, str, str, Any]:
     """Parse and check ``spec`` (default: ``MAILFLOW_ALERT``, else ``log``).
 
-    :returns: ``(kind, conn_id, target, notifier class)``; ``("log", "", "", None)`` for ``log``.
+    :returns: ``(kind, conn_id, target, notifier class)`` (a ``BaseNotifier`` subclass); ``("log", "", "", None)`` for ``log``.
     :raises AlertSettingError: naming the value: not one of the three forms, or the notifier's
         provider package cannot be imported here (naming the package to install).
     """
