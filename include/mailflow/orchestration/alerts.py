@@ -166,3 +166,36 @@ def key_refused_alert(refused: list[dict[str, Any]], context: Any) -> None:
                 "'Rotating the API key'); past their idempotency window they become dead letters.",
                 [f"batch {r['key']} campaign={r['campaign']} key={r['key_identity']}" for r in refused],
                 f"mailflow: a previous API key was refused ({len(refused)} batch(es))", context)
+
+
+# -- Deadline Alerts (Airflow 3.1+, experimental there): a run that has not finished in time -----------------
+
+LIFECYCLE_DEADLINE = timedelta(minutes=45)
+"""An hourly lifecycle run still unfinished 45 min after it was queued leaves the next hour's run
+no room (``max_active_runs=1``): someone should look before the hours pile up."""
+DISPATCH_DEADLINE = timedelta(minutes=5)
+"""A minutely dispatch run (a 50 s budget) still unfinished 5 min after it was queued means
+scheduled emails go out late: the next runs wait behind it."""
+
+
+def deadline(interval: timedelta, what: str) -> Any:
+    """A ``DeadlineAlert`` for a DAG: ``interval`` after the run was queued, :func:`deadline_missed`
+    runs in the triggerer with ``what`` (a sentence naming the consequence)."""
+    from airflow.sdk.definitions.callback import AsyncCallback
+    from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
+
+    return DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=interval,
+                         callback=AsyncCallback(f"{__name__}.deadline_missed", kwargs={"what": what}))
+
+
+async def deadline_missed(what: str, context: Any = None, **_: Any) -> None:
+    """Deadline Alert callback (in the triggerer): one alert through the configured notifier naming
+    the DAG and run (from ``context`` when Airflow passes it) and ``what``; never raises."""
+    import asyncio
+
+    ctx = context or {}
+    dag_run = ctx.get("dag_run")
+    where = f"{getattr(dag_run, 'dag_id', None) or ctx.get('dag_id', '?')}/{getattr(dag_run, 'run_id', None) or '?'}"
+    message = f"deadline missed: {where}: {what}"
+    # notifiers are synchronous (SMTP, Slack's web client): off the triggerer's event loop
+    await asyncio.to_thread(lambda: notifier(message, subject=f"mailflow: deadline missed ({where})")(ctx))
