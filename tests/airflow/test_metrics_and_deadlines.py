@@ -83,8 +83,13 @@ def test_dispatch_lateness_is_a_timing_in_ms(statsd: socket.socket) -> None:
     ("lifecycle_emails", timedelta(minutes=45), "the hourly lifecycle run is not finished 45 min after"),
     ("dispatch_scheduled_emails", timedelta(minutes=5), "a dispatch run is not finished 5 min after"),
 ])
-def test_the_send_dags_carry_a_deadline_alert_that_serializes(dag_file: str, interval: timedelta, what: str) -> None:
+def test_the_send_dags_carry_a_deadline_alert_that_serializes(dag_file: str, interval: timedelta, what: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.setenv("MAILFLOW_DEADLINE_ALERTS", "0")
+    assert DagBag(dag_folder=str(ROOT / "dags" / f"{dag_file}.py")).dags[dag_file].deadline in (None, [])
+    monkeypatch.setenv("MAILFLOW_DEADLINE_ALERTS", "1")
     from airflow.sdk.definitions.deadline import DeadlineReference
     from airflow.serialization.serialized_objects import DagSerialization
 
