@@ -6,7 +6,9 @@ Docker engine needed). Also the other addresses the file wires together."""
 from __future__ import annotations
 
 import json
+import sys
 import warnings
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,18 @@ ONE_CLICK: dict[str, Any] = {"content": b"List-Unsubscribe=One-Click",
                              "headers": {"Content-Type": "application/x-www-form-urlencoded"}}
 
 
+@pytest.fixture
+def fresh_plugin_app() -> Iterator[None]:
+    """The plugin's endpoint resolves its secret on the first request and keeps it: give the API
+    server's next app a fresh one afterwards, as a restarted API server would have."""
+    yield
+    from mailflow.orchestration.unsubscribe import create_airflow_app
+
+    for module in [m for name, m in sys.modules.items() if name.endswith("mailflow_unsubscribe")]:
+        for entry in getattr(getattr(module, "MailflowUnsubscribePlugin", None), "fastapi_apps", []):
+            entry["app"] = create_airflow_app()
+
+
 def _compose(extra: dict[str, str] | None = None) -> dict[str, Any]:
     model, _how = compose_config({**COMPOSE_SECRETS, **(extra or {})})
     return model["services"]
@@ -60,7 +74,7 @@ def _link(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, user_id: int) ->
 ])
 def test_a_link_from_the_compose_environment_unsubscribes_through_the_plugin_in_the_api_server(
         airflow_db: Path, db: psycopg.Connection, db_dsn: str, monkeypatch: pytest.MonkeyPatch,
-        public_url: str | None, user_id: int) -> None:
+        public_url: str | None, user_id: int, fresh_plugin_app: None) -> None:
     services = _compose({"MAILFLOW_PUBLIC_URL": public_url} if public_url else None)
     worker, apiserver = env_of(services["airflow-worker-1"]), env_of(services["airflow-apiserver"])
     link = _link(worker, monkeypatch, user_id)
