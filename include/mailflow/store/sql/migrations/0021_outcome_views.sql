@@ -164,7 +164,10 @@ comment on column mail.campaign_progress.invalid is
 -- Per campaign and local day of sent_at (the campaign's timezone for scheduled campaigns, UTC otherwise,
 -- as mail.campaign_daily). Each email is counted once per outcome it had (an email delivered, then
 -- complained about, is in delivered and in complained); no_outcome_yet is the sent emails with no final
--- outcome. A filter on campaign is pushed into the send log's index range.
+-- outcome. A filter on campaign is pushed into that campaign's range of send_log_campaign_sent_idx (index-only:
+-- the row id is in the index), joined to delivery_status by its primary key or, for a large campaign, by
+-- hashing it. Measured (3M send-log rows, 2.76M outcomes, one campaign of 742k sent emails, 2 shared
+-- cores): about 3 s either way; the cost grows with the campaign's sent emails.
 create or replace view mail.campaign_outcomes_daily as
 select o.campaign,
        o.kind,
@@ -241,7 +244,17 @@ comment on column mail.campaign_outcomes_daily.click_rate is 'unique_clicks / se
 -- Per campaign over its whole history, plus the reputation guard: one row per campaign with a sent email or
 -- a guard row. The account scope is not tied to a campaign (the send log does not record the account an
 -- email went through): every row shows whether any provider account is tripped, which stops every campaign.
+-- The names come from a skip scan of send_log_campaign_sent_idx (one probe per campaign); each campaign's
+-- outcomes are the daily view filtered on it (its own index range).
 create or replace view mail.campaign_outcomes as
+with recursive seen (campaign) as (
+    (select l.campaign from mail.send_log l where l.status = 'sent' order by l.campaign limit 1)
+    union all
+    select (select l.campaign from mail.send_log l
+            where l.status = 'sent' and l.campaign > s.campaign order by l.campaign limit 1)
+    from seen s
+    where s.campaign is not null
+)
 select k.campaign,
        o.kind,
        coalesce(o.sent, 0)                                            as sent,
@@ -267,7 +280,7 @@ select k.campaign,
        g.sample                                                       as guard_sample,
        a.state                                                        as account_guard_state,
        a.reason                                                       as account_guard_reason
-from (select d.campaign from mail.campaign_outcomes_daily d
+from (select s.campaign from seen s where s.campaign is not null
       union
       select r.name from mail.reputation_guard r where r.scope = 'campaign') as k
 left join lateral (
