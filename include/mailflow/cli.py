@@ -32,7 +32,6 @@ import psycopg
 from mailflow.model.tally import COLUMNS as TALLY_COLUMNS
 from mailflow.store.sql import query
 
-
 #: The report's columns: the campaign, then every summary's columns (mailflow.model.tally.COLUMNS).
 REPORT_HEAD: tuple[str, ...] = ("campaign", *TALLY_COLUMNS)
 

@@ -20,7 +20,8 @@ column            send-log rows (``mail.send_log``)
 Those seven are disjoint and add up to ``total``. Three more columns break some of them down or sit
 outside the total: ``invalid`` (of ``failed``: never claimed, ``claimed_at`` null: decided without a
 request because the address is invalid; the row's error starts ``invalid address:``),
-``dead_lettered`` (of ``failed``: given up for a person to decide) and ``rolled_back`` (status
+``dead_lettered`` (``failed`` rows given up for a person to decide, a
+rolled-back attempt included) and ``rolled_back`` (status
 ``failed`` with ``released_at``: an attempt whose whole request certainly failed; history that
 charges nobody, not in ``total``). Source of the states: docs/send_log.md, "The model".
 """
@@ -33,7 +34,8 @@ from typing import Any, Protocol
 
 #: The disjoint columns, in display order; they add up to the total.
 STATE_COLUMNS: tuple[str, ...] = ("pending", "sending", "sent", "failed", "cancelled", "duplicate", "skipped")
-#: Breakdowns: ``invalid`` and ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total.
+#: Breakdowns: ``invalid`` is part of ``failed``; ``dead_lettered`` of ``failed`` and ``rolled_back``;
+#: ``rolled_back`` is outside the total.
 DETAIL_COLUMNS: tuple[str, ...] = ("invalid", "dead_lettered", "rolled_back")
 #: Every column, in display order (``total`` first).
 COLUMNS: tuple[str, ...] = ("total", *STATE_COLUMNS, *DETAIL_COLUMNS)
@@ -91,8 +93,9 @@ class Tally:
         ``dead_lettered_at is not null``, ``claimed`` = ``claimed_at is not null``."""
         column = column_of(status, rolled_back=rolled_back)
         setattr(self, column, getattr(self, column) + 1)
-        if column == "failed":
+        if status == "failed":
             self.dead_lettered += int(dead_lettered)
+        if column == "failed":
             self.invalid += int(not claimed)
 
     @classmethod
