@@ -31,21 +31,19 @@ from typing import Any
 
 import psycopg
 
+from mailflow.model.tally import COLUMNS as TALLY_COLUMNS
+from mailflow.store.sql import query
+
+#: The report's columns: the campaign, then every summary's columns (mailflow.model.tally.COLUMNS).
+REPORT_HEAD: tuple[str, ...] = ("campaign", *TALLY_COLUMNS)
+
 
 def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
-    """Rows ``(campaign, total, sent, failed, sending, pending, cancelled, rolled_back)`` by campaign."""
-    return conn.execute(
-        """
-        select campaign, count(*) filter (where released_at is null),
-               count(*) filter (where status = 'sent'),
-               count(*) filter (where status = 'failed' and released_at is null),
-               count(*) filter (where status = 'sending'),
-               count(*) filter (where status = 'pending'),
-               count(*) filter (where status = 'cancelled'),
-               count(*) filter (where released_at is not null)
-        from mail.send_log group by campaign order by campaign
-        """
-    ).fetchall()
+    """Rows ``(campaign, total, pending, sending, sent, failed, cancelled, duplicate, skipped, invalid,
+    dead_lettered, rolled_back)`` by campaign (:data:`REPORT_HEAD`), counted as every summary counts
+    (:mod:`mailflow.model.tally`): the first seven states add up to ``total``; ``invalid`` and
+    ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total."""
+    return conn.execute(query("report", "campaign_tally")).fetchall()
 
 
 def keys(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
@@ -255,8 +253,7 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
             return 2
         print(json.dumps(dataclasses.asdict(done) | {"applied": args.apply}, indent=2))
     elif args.cmd == "report":
-        head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
-        print_table(head, report(conn))
+        print_table(REPORT_HEAD, report(conn))
     elif args.cmd == "keys":
         rows = keys(conn)
         print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),
