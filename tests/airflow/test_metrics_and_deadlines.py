@@ -51,8 +51,8 @@ def _received(sock: socket.socket, n: int) -> list[str]:
 
 
 def test_send_provider_and_dead_letter_counts_reach_statsd(statsd: socket.socket) -> None:
-    metrics.campaign_outcomes([{"campaign": "upgrade_offer", "sent": 98, "failed": 1, "unknown": 1, "held": 0},
-                               {"campaign": "first_practice", "sent": 0, "failed": 0, "unknown": 0, "held": 7}],
+    metrics.campaign_outcomes([{"campaign": "upgrade_offer", "sent": 98, "failed": 1, "sending": 1, "held": 0},
+                               {"campaign": "first_practice", "sent": 0, "failed": 0, "sending": 0, "held": 7}],
                               "lifecycle_emails")
     metrics.provider_requests({"requests": 12, "429": 2, "5xx": 1, "timeouts": 0, "replays": 4, "late_slots": 3},
                               "lifecycle_emails")
@@ -61,7 +61,7 @@ def test_send_provider_and_dead_letter_counts_reach_statsd(statsd: socket.socket
     metrics.dispatch_outcomes({"sent_by_campaign": {"demo_outreach": 40}, "failed": 2, "unknown": 0},
                               "dispatch_scheduled_emails")
     expected = ["airflow.mailflow.campaign.upgrade_offer.sent:98|c", "airflow.mailflow.campaign.upgrade_offer.failed:1|c",
-                "airflow.mailflow.campaign.upgrade_offer.unknown:1|c", "airflow.mailflow.campaign.first_practice.held:7|c",
+                "airflow.mailflow.campaign.upgrade_offer.sending:1|c", "airflow.mailflow.campaign.first_practice.held:7|c",
                 "airflow.mailflow.provider.requests:12|c", "airflow.mailflow.provider.429:2|c",
                 "airflow.mailflow.provider.5xx:1|c", "airflow.mailflow.provider.late_slots:3|c",
                 "airflow.mailflow.campaign.upgrade_offer.dead_lettered:2|c",
@@ -113,3 +113,11 @@ def test_a_missed_deadline_alerts_through_the_configured_notifier(
     assert [r.getMessage() for r in caplog.records if r.name == "mailflow.alerts"] == [
         "ALERT: deadline missed: dispatch_scheduled_emails/scheduled__2026-12-01T09:00:00+00:00: scheduled emails "
         "are going out late"]
+
+
+def test_campaign_outcome_metrics_name_keys_the_run_summary_has():
+    """A metric counts a key of the lifecycle summary; a renamed key would silently count 0."""
+    from mailflow.model.outcome import CampaignSummary
+
+    keys = set(CampaignSummary(campaign="c").as_dict())
+    assert set(metrics.CAMPAIGN_OUTCOMES) <= keys, set(metrics.CAMPAIGN_OUTCOMES) - keys

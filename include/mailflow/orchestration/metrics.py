@@ -3,7 +3,8 @@ deployment configured in ``[metrics]`` (nothing at all when metrics are off). Na
 Airflow's ``statsd_prefix``, default ``airflow``), all counters unless said otherwise:
 
 * ``mailflow.campaign.<campaign>.<outcome>``: emails per campaign and outcome, ``outcome`` one of
-  ``sent``, ``failed``, ``unknown``, ``held`` (lifecycle) and ``dead_lettered`` (reconcile);
+  ``sent``, ``failed``, ``sending`` (claimed and not answered: ambiguous until a 2xx to its key),
+  ``held`` (lifecycle; the columns of :mod:`mailflow.model.tally`) and ``dead_lettered`` (reconcile);
 * ``mailflow.provider.<kind>``: provider requests, with ``kind`` one of ``requests``, ``429``,
   ``5xx``, ``timeouts``, ``late_slots`` (the pacer's slot came late);
 * ``mailflow.dispatch.lateness``: a timing (ms): how long after its scheduled minute a dispatch
@@ -24,7 +25,7 @@ from typing import Any
 log = logging.getLogger("mailflow.metrics")
 
 PROVIDER_KINDS = ("requests", "429", "5xx", "timeouts", "late_slots")
-CAMPAIGN_OUTCOMES = ("sent", "failed", "unknown", "held")
+CAMPAIGN_OUTCOMES = ("sent", "failed", "sending", "held")
 
 
 def _stats() -> Any:
