@@ -287,13 +287,13 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     start, end = context.get("data_interval_start"), context.get("data_interval_end")
     interval = (end - start).total_seconds() if start is not None and end is not None and end > start \
         else POLL_INTERVAL_SECONDS
-    hook = ResendHook(settings.FEEDBACK_CONN_ID)
-    max_requests = request_budget(float(hook.settings()["requests_per_second"]),
-                                  float(params.get("rate_share", 0.01)), interval)
     started = time.monotonic()
     with send_log_connection() as conn:
         conn.autocommit = True
         require_current(conn)
+        hook = ResendHook(settings.FEEDBACK_CONN_ID)
+        max_requests = request_budget(float(hook.settings()["requests_per_second"]),
+                                      float(params.get("rate_share", 0.01)), interval)
         client = hook.get_conn()
         try:
             summary = _poll_or_fail(
