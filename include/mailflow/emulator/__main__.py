@@ -15,7 +15,7 @@ import sys
 import uvicorn
 
 from mailflow.emulator.app import create_app
-from mailflow.emulator.config import EmulatorConfig
+from mailflow.emulator.config import RUNTIME_SETTINGS, EmulatorConfig, coerce_update
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="403 validation_error for any recipient but --owner-email")
     p.add_argument("--owner-email", default="owner@mailflow.example")
     p.add_argument("--seed", type=int, default=0)
+    # each accepted email's lifecycle (webhooks and last_event)
+    p.add_argument("--soft-bounce", action="append", default=[], help="address whose email bounces Transient")
+    p.add_argument("--delayed", action="append", default=[], help="address delivery_delayed, then delivered")
+    for rate in ("hard_bounce_rate", "soft_bounce_rate", "failed_rate", "delayed_rate", "complaint_rate",
+                 "open_rate", "click_rate"):
+        p.add_argument("--" + rate.replace("_", "-"), type=float, default=0.0, help="fraction in [0, 1]")
+    p.add_argument("--event-spread-seconds", type=float, default=0.0,
+                   help="an email's events happen within this many seconds of the send")
+    # webhooks
+    p.add_argument("--webhook-url", default="", help="an endpoint registered without an API call")
+    p.add_argument("--webhook-secret", "--webhook-secrets", action="append", default=[], dest="webhook_secrets",
+                   help="its signing secret whsec_<base64> (repeatable: all are signed for, rotation)")
+    p.add_argument("--webhook-event", "--webhook-events", action="append", default=[], dest="webhook_events",
+                   help="an event type it subscribes to (repeatable; default every email event)")
+    p.add_argument("--webhook-retry-schedule", action="append", default=[],
+                   help="seconds before each attempt, comma-separated or repeated (default Svix's: "
+                        "0,5,300,1800,7200,18000,36000,36000)")
+    p.add_argument("--webhook-time-scale", type=float, default=1.0, help="multiplies the retry schedule")
+    p.add_argument("--webhook-timeout-seconds", type=float, default=15.0, help="per attempt")
+    p.add_argument("--webhook-concurrency", type=int, default=64, help="attempts in flight (connections)")
+    for rate in ("webhook_duplicate_rate", "webhook_reorder_rate", "webhook_delay_rate", "webhook_drop_rate",
+                 "webhook_forged_rate", "webhook_stale_rate", "webhook_future_rate"):
+        p.add_argument("--" + rate.replace("_", "-"), type=float, default=0.0, help="fraction in [0, 1]")
+    p.add_argument("--webhook-delay-seconds", type=float, default=0.0)
+    p.add_argument("--webhook-log", default=None, help="JSON-lines file, one line per final message or copy")
+    p.add_argument("--webhook-records-max", type=int, default=0,
+                   help="messages kept in memory for the control view (the newest; 0 = all)")
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=False,
                    help="register the unauthenticated /_emulator/* control API")
     p.add_argument("--access-log", action="store_true")
@@ -90,7 +117,27 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, idempotency_store=args.idempotency_store,
         restricted_keys=tuple(args.restricted_keys), check_from_domain=args.check_from_domain,
         test_only=args.test_only, owner_email=args.owner_email,
+        soft_bounce=tuple(args.soft_bounce), delayed=tuple(args.delayed), hard_bounce_rate=args.hard_bounce_rate,
+        soft_bounce_rate=args.soft_bounce_rate, failed_rate=args.failed_rate, delayed_rate=args.delayed_rate,
+        complaint_rate=args.complaint_rate, open_rate=args.open_rate, click_rate=args.click_rate,
+        event_spread_seconds=args.event_spread_seconds, webhook_url=args.webhook_url,
+        webhook_secrets=tuple(args.webhook_secrets), webhook_events=tuple(args.webhook_events),
+        webhook_time_scale=args.webhook_time_scale, webhook_timeout_seconds=args.webhook_timeout_seconds,
+        webhook_concurrency=args.webhook_concurrency, webhook_duplicate_rate=args.webhook_duplicate_rate,
+        webhook_reorder_rate=args.webhook_reorder_rate, webhook_delay_rate=args.webhook_delay_rate,
+        webhook_delay_seconds=args.webhook_delay_seconds, webhook_drop_rate=args.webhook_drop_rate,
+        webhook_forged_rate=args.webhook_forged_rate, webhook_stale_rate=args.webhook_stale_rate,
+        webhook_future_rate=args.webhook_future_rate, webhook_log=args.webhook_log,
+        webhook_records_max=args.webhook_records_max,
     )
+    if args.webhook_retry_schedule:
+        config.webhook_retry_schedule = tuple(float(x) for item in args.webhook_retry_schedule
+                                              for x in item.split(",") if x.strip())
+    try:  # the same checks as a runtime update (secrets, URL, rates)
+        coerce_update(config, {k: v for k, v in config.public().items() if k in RUNTIME_SETTINGS
+                               and k.startswith(("webhook_", "soft_bounce", "hard_bounce", "failed_rate"))})
+    except ValueError as exc:
+        build_parser().error(str(exc))
     app = create_app(config)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only then (else +40 ms/response)
@@ -102,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=args.log_level, access_log=args.access_log, timeout_graceful_shutdown=2,
-        lifespan="off", date_header=False,  # the app sends Date from its own (possibly skewed) clock
+        lifespan="on", date_header=False,  # the app sends Date from its own (possibly skewed) clock
     ))
     logging.getLogger("uvicorn.error").addFilter(_DropAbortNoise())
     shown = f"[{host}]" if ":" in host else host

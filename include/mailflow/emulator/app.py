@@ -1,8 +1,11 @@
 """A Resend-compatible HTTP emulator: the test double, the demo's email API and the benchmark's provider.
 
 Built to ``/work/shared/reference/resend-openapi.yaml`` (POST /emails, POST /emails/batch, GET /emails,
-GET /emails/{id}, GET /domains) and to every point of ``resend-contract.md`` ("the contract" below):
-batch validation modes, Idempotency-Key semantics, rate-limit headers, quota errors, error bodies.
+GET /emails/{id}, GET /domains, POST/GET/PATCH/DELETE /webhooks) and to every point of
+``resend-contract.md`` ("the contract" below): batch validation modes, Idempotency-Key semantics,
+rate-limit headers, quota errors, error bodies, and webhooks pushed with Svix signatures, retries and
+switchable faults (:mod:`.webhooks`; each email's events come from :mod:`.lifecycle`, which
+GET /emails/{id} reports too).
 
 Honesty rules: an email is "accepted" only once its outbox line is written and flushed; idempotent
 replays write nothing; faults are drawn from a seeded ``random.Random`` so a run is reproducible.
@@ -16,7 +19,9 @@ and builds the app. Validation rules and configuration are in their own modules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from email.utils import formatdate
 from typing import Any
 
@@ -31,12 +36,13 @@ from mailflow.emulator.responses import error_response, json_response
 from mailflow.emulator.routes.control import ControlRoutes
 from mailflow.emulator.routes.emails import SendRoutes
 from mailflow.emulator.routes.reads import ReadRoutes
+from mailflow.emulator.routes.webhooks import WebhookRoutes
 from mailflow.emulator.validation import ApiError
 
 log = logging.getLogger("mailflow.emulator")
 
 
-class Emulator(SendRoutes, ReadRoutes, ControlRoutes):
+class Emulator(SendRoutes, ReadRoutes, WebhookRoutes, ControlRoutes):
     """Shared state of one emulator: emails, idempotency records, rate windows, stats, outbox."""
 
     async def api(self, request: Request, handler: Any) -> Response:
@@ -84,12 +90,19 @@ def create_app(config: EmulatorConfig) -> Starlette:
         Route("/emails/batch", api(emu.send), methods=["POST"]),
         Route("/emails/{email_id}", api(emu.get_email), methods=["GET"]),
         Route("/domains", api(emu.domains), methods=["GET"]),
+        Route("/webhooks", api(emu.create_webhook), methods=["POST"]),
+        Route("/webhooks", api(emu.list_webhooks), methods=["GET"]),
+        Route("/webhooks/{webhook_id}", api(emu.get_webhook), methods=["GET"]),
+        Route("/webhooks/{webhook_id}", api(emu.update_webhook), methods=["PATCH"]),
+        Route("/webhooks/{webhook_id}", api(emu.delete_webhook), methods=["DELETE"]),
     ]
     if config.control:
         routes += [
             Route("/_emulator/config", emu.control_config, methods=["GET", "POST"]),
             Route("/_emulator/stats", emu.control_stats, methods=["GET"]),
             Route("/_emulator/reset", emu.control_reset, methods=["POST"]),
+            Route("/_emulator/webhooks", emu.control_webhooks, methods=["GET"]),
+            Route("/_emulator/webhooks/rotate", emu.control_rotate, methods=["POST"]),
         ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -102,6 +115,17 @@ def create_app(config: EmulatorConfig) -> Starlette:
         emu.stats["status_5xx"] += 1
         return error_response(ApiError(500, "internal_server_error", "Unexpected error in the emulator."))
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # the webhook pool starts with the app (or lazily at the first accepted email when the
+        # server runs without lifespan events) and stops with it
+        emu.hooks.ensure_started()
+        try:
+            yield
+        finally:
+            await emu.hooks.stop()
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
+                    lifespan=lifespan)
     app.state.emulator = emu
     return app

@@ -36,6 +36,8 @@ class ControlRoutes(EmulatorState):
                 self.rng = random.Random(new.seed)
             self.cfg = new
             self.clock_offset += float(advance)
+            if any(k in update for k in ("webhook_url", "webhook_secrets", "webhook_events")):
+                self.hooks.sync_config()
         return json_response(200, self.cfg.public())
 
     async def control_stats(self, request: Request) -> Response:

@@ -149,7 +149,7 @@ class SendRoutes(EmulatorState):
         for index, email in valid:
             stored.append({**email, "id": str(uuid.uuid4()), "batch_index": index, "idempotency_key": idem,
                            "received_at": received.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-                           "created_at": received.strftime("%Y-%m-%d %H:%M:%S.%f+00")})
+                           "created_at": received.strftime("%Y-%m-%d %H:%M:%S.%f+00"), "accepted_epoch": now})
         self._write_outbox(stored)
         keep = self.cfg.store_bodies
         for rec in stored:
@@ -157,6 +157,8 @@ class SendRoutes(EmulatorState):
         self.accepted += len(stored)
         self.accepted_today += len(stored)
         self.stats["accepted_emails"] = self.accepted
+        for rec in stored:  # webhooks only for what was written: an accepted email's lifecycle
+            self.hooks.email_accepted(rec, now)
         if not batch:
             return 200, {"id": stored[0]["id"]}, stored
         data = [{"id": rec["id"]} for rec in stored]

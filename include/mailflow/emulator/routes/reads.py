@@ -8,11 +8,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mailflow.emulator.lifecycle import last_event as lifecycle_last_event
+from mailflow.emulator.lifecycle import plan_lifecycle
 from mailflow.emulator.responses import json_response
 from mailflow.emulator.state import EmulatorState
-from mailflow.emulator.validation import ApiError, check_address
-
-_TEST_DOMAIN_EVENTS = {"bounced": "bounced", "complained": "complained", "delivered": "delivered"}
+from mailflow.emulator.validation import ApiError
 
 
 class ReadRoutes(EmulatorState):
@@ -20,27 +20,15 @@ class ReadRoutes(EmulatorState):
 
     # -- reading ---------------------------------------------------------------------------------
     def last_event(self, rec: dict[str, Any]) -> str:
-        """'bounced' / 'complained' if a recipient is configured so (or is bounced@resend.dev etc.)."""
+        """The email's lifecycle (:func:`.lifecycle.plan_lifecycle`, the same one its webhooks tell)
+        up to now on the emulator's clock: ``sent``, ``delivered``, ``bounced`` (permanent only),
+        ``delivery_delayed`` (also a transient bounce), ``complained``, ``opened``, ``clicked``,
+        ``failed``, ``suppressed``; ``scheduled`` for a scheduled email. Address rules are read now,
+        so a rule set after the send is an outcome that arrived later (no webhook is pushed for it)."""
         if rec.get("scheduled_at"):
             return "scheduled"
-        events = set()
-        for addr in rec["to"] + rec["cc"] + rec["bcc"]:
-            norm = check_address(addr) or addr.lower()
-            local, _, domain = norm.partition("@")
-            if norm in self.cfg.bounce:
-                events.add("bounced")
-            elif norm in self.cfg.complain:
-                events.add("complained")
-            elif norm in self.cfg.suppress:
-                events.add("suppressed")
-            elif norm in self.cfg.fail:
-                events.add("failed")
-            elif domain == "resend.dev" and local.split("+")[0] in _TEST_DOMAIN_EVENTS:
-                events.add(_TEST_DOMAIN_EVENTS[local.split("+")[0]])
-        for event in ("bounced", "complained", "suppressed", "failed"):
-            if event in events:
-                return event
-        return "delivered"
+        plan = plan_lifecycle(rec["id"], rec["to"] + rec["cc"] + rec["bcc"], self.cfg)
+        return lifecycle_last_event(plan, self.now() - rec.get("accepted_epoch", 0.0))
 
     def email_object(self, rec: dict[str, Any], full: bool) -> dict[str, Any]:
         obj = {"object": "email", "id": rec["id"], "to": rec["to"], "from": rec["from"],
