@@ -366,7 +366,7 @@ def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytes
     import pendulum
     context = {"params": {"campaign_id": 1}, "ti": TI(), "data_interval_start": pendulum.datetime(2026, 1, 1),
                "data_interval_end": pendulum.datetime(2026, 1, 1, 1)}
-    for call in (tasks.lifecycle, tasks.reconcile_send_log, tasks.feedback_task,
+    for call in (tasks.lifecycle, tasks.reconcile_send_log, tasks.feedback_task, tasks.webhook_sweep_task,
                  tasks.provision_task, tasks.dispatch_task):
         with pytest.raises(SchemaNotCurrent, match="0004_analytics.sql"):
             call(context)
