@@ -11,7 +11,8 @@ which stores and applies them at once: hard bounces and complaints are suppresse
   never found is decided `unknown_email`. The reputation guard evaluates the campaigns that got outcomes.
 * `alert_webhook_decisions`: one alert for new recipient mismatches (applied to nobody's row; the
   provider's own recipient is suppressed for a hard bounce or complaint), provider failures (`failed`:
-  never suppressed) and unknown emails (`mail.webhook_event.alerted_at`).
+  never suppressed) and unknown emails (`mail.webhook_event.alerted_at`); and one alert for each
+  campaign or account the reputation guard tripped (its rates and sample; `resume_sending` resumes it).
 * `poll_feedback`, the **safety net**: `GET /emails/{id}` for `sent` emails of the last `lookback_hours`
   that still have **no outcome** `min_age_minutes` after sending (the receiver was down longer than the
   provider retries, or no endpoint is registered). Bounded by `max_emails_per_run`, `time_budget_seconds`
@@ -80,7 +81,7 @@ with DAG(
 
     @task(execution_timeout=timedelta(minutes=5), trigger_rule="all_done")
     def alert_webhook_decisions(**context) -> dict:
-        """Alert once for new webhook mismatches, failures and unknown emails."""
+        """Alert once for new webhook mismatches, failures, unknown emails and reputation-guard trips."""
         from mailflow.orchestration.tasks import webhook_alert_task
 
         return webhook_alert_task(context)

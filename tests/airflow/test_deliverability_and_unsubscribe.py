@@ -84,6 +84,10 @@ def test_dag_test_suppresses_the_bounced_and_the_complained_address(
                       DataInterval(end - timedelta(hours=1), end))
     pacer.close()
 
+    # a trip the guard recorded (from an earlier evaluation) is alerted once by this run
+    db.execute("insert into mail.reputation_guard (scope, name, state, hard_bounce_rate, complaint_rate, sample,"
+               " evaluated_at, tripped_at, reason) values ('campaign', 'dag_campaign', 'tripped', 0.08, 0, 600,"
+               " now(), now(), 'hard-bounce rate 8.00% >= 5.00% over 600 outcomes')")
     dr = dagbag.dags["deliverability_feedback"].test(run_conf={"min_age_minutes": 0})
 
     assert dr.state == "success"
@@ -94,8 +98,11 @@ def test_dag_test_suppresses_the_bounced_and_the_complained_address(
         ("dag1@example.com", "all", "bounce"), ("dag3@example.com", "all", "complaint")]
     assert summary["request_budget"] == 900  # 1% of 50 requests/s over the 30-minute interval
     assert dr.get_task_instance("apply_pending").state == "success"
-    assert dr.get_task_instance("alert_webhook_decisions").xcom_pull(task_ids="alert_webhook_decisions") == {
-        "alerted": 0}
+    alerts = dr.get_task_instance("alert_webhook_decisions").xcom_pull(task_ids="alert_webhook_decisions")
+    assert (alerts["alerted"], len(alerts["reputation_trips"])) == (0, 1)
+    assert "dag_campaign" in alerts["reputation_trips"][0] and "600" in alerts["reputation_trips"][0]
+    assert db.execute("select alerted_at is not null from mail.reputation_guard where name = 'dag_campaign'")\
+        .fetchall() == [(True,)]
 
 
 @pytest.mark.airflow

@@ -346,9 +346,14 @@ def webhook_sweep_task(context: dict[str, Any]) -> dict[str, Any]:
 
 
 def webhook_alert_task(context: dict[str, Any]) -> dict[str, Any]:
-    """The ``deliverability_feedback`` DAG's alert for new webhook mismatches, failures and unknown emails."""
+    """The ``deliverability_feedback`` DAG's alerts: new webhook mismatches, failures and unknown emails,
+    and the reputation guard's new trips (:func:`mailflow.orchestration.reputation.reputation_alerts`:
+    one alert naming each tripped scope's rates and sample). Returns the counts and the trip lines."""
+    from mailflow.orchestration.reputation import reputation_alerts
     from mailflow.orchestration.webhooks import alert_task
 
     with send_log_connection() as conn:
         conn.autocommit = True
-        return alert_task(conn, context)
+        out = dict(alert_task(conn, context))
+        out["reputation_trips"] = reputation_alerts(conn, context)
+        return out
