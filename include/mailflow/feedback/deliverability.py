@@ -80,8 +80,9 @@ class FeedbackError(RuntimeError):
     fix the named connection (the message says how, :func:`mailflow.provider.errors.describe_refusal`)."""
 
 
-def normalise_address(value: str) -> str:
-    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"`` (:func:`mailflow.store.outcomes.normalise_recipient`)."""
+def normalise_address(value: str) -> str | None:
+    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"``; None for no address or several
+    (:func:`mailflow.store.outcomes.normalise_recipient`)."""
     return normalise_recipient(value)
 
 

@@ -21,7 +21,7 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -59,7 +59,8 @@ class MalformedEvent(ValueError):
 class WebhookEvent:
     """One verified webhook: ``svix_id`` (the dedupe key), ``event_type`` (the envelope's ``type``),
     ``provider_message_id`` (``data.email_id``; None for other events), ``occurred_at`` (the
-    envelope's ``created_at``, aware, None if absent or unparsable), ``payload`` (the envelope,
+    envelope's ``created_at``, in UTC; None if absent, unparsable, without an offset or outside
+    years 1..9999 in UTC), ``payload`` (the envelope,
     JSON-ready) and ``payload_json`` (the text stored as jsonb)."""
 
     svix_id: str
@@ -83,7 +84,7 @@ class WebhookEvent:
         if event == "bounced":
             bounce = data.get("bounce")
             given = bounce.get("type") if isinstance(bounce, dict) else None
-            bounce_type = given if given in BOUNCE_TYPES else "Undetermined"  # unknown: never a hard bounce
+            bounce_type = given if isinstance(given, str) and given in BOUNCE_TYPES else "Undetermined"  # unknown: never a hard bounce
             detail += f" ({bounce_type})"
         return Report(provider_message_id=self.provider_message_id, event=event, recipients=data.get("to"),
                       source="webhook", detail=detail, occurred_at=self.occurred_at, bounce_type=bounce_type,
@@ -106,20 +107,30 @@ def _when(value: Any) -> datetime | None:
         return None
     try:
         at = datetime.fromisoformat(value.strip())
-    except ValueError:
+        # in UTC, or None: a time that leaves Python's years 1..9999 there cannot be stored (the
+        # driver refuses it, which would answer 503 for every retry of the event)
+        return at.astimezone(UTC) if at.tzinfo is not None else None
+    except (ValueError, OverflowError):
         return None
-    return at if at.tzinfo is not None else None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def parse_event(svix_id: str, body: bytes) -> WebhookEvent:
     """Parse a verified body (Resend's envelope ``{"type", "created_at", "data": {...}}``).
 
-    :raises MalformedEvent: if it is not a JSON object with a string ``type``.
+    :raises MalformedEvent: if it is not strict JSON (``NaN`` and ``Infinity``, which Python's parser
+        takes and PostgreSQL's jsonb refuses, are not), is nested deeper than the parser's stack, or is
+        not an object with a string ``type``.
     """
     try:
-        obj = json.loads(body)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        obj = json.loads(body, parse_constant=_no_constant)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError and NaN/Infinity (not JSON; jsonb refuses them)
         raise MalformedEvent("body is not JSON") from None
+    except RecursionError:  # nesting deeper than the parser's stack: no provider envelope is
+        raise MalformedEvent("body is nested too deeply") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str) or not obj["type"]:
         raise MalformedEvent("body is not an event envelope (an object with a type)")
     if _UNSAFE_ESCAPE.search(body):

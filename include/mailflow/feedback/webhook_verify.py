@@ -33,6 +33,7 @@ MAX_SIGNATURE_LENGTH = 4096
 _ID = re.compile(r"[\x21-\x7e]{1,256}")  # MAX_ID_LENGTH
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _SPLIT = re.compile(r"[\s,]+")
+_V1_ENTRY = re.compile(r"v1,[A-Za-z0-9+/]+={0,2}")
 
 
 class Rejected(Exception):
@@ -108,8 +109,9 @@ class WebhookVerifier:
         :param headers: request headers (case-insensitive lookups: Starlette's Headers, or a dict
             with lower-case names).
         :returns: the verified id and timestamp.
-        :raises Rejected: 400 for missing or malformed headers or a body that is not UTF-8;
-            401 for a stale or future timestamp or no matching signature.
+        :raises Rejected: 400 for missing or malformed headers (a signature header without any
+            well-formed ``v1,<base64>`` entry) or a body that is not UTF-8; 401 for a stale or future
+            timestamp or no matching signature. Junk entries next to a valid one are ignored, in any order.
         """
         msg_id = headers.get("svix-id") or headers.get("webhook-id")
         stamp = headers.get("svix-timestamp") or headers.get("webhook-timestamp")
@@ -122,13 +124,20 @@ class WebhookVerifier:
             raise Rejected(400, "malformed svix-timestamp")
         if len(signature) > MAX_SIGNATURE_LENGTH:
             raise Rejected(400, "svix-signature too long")
+        # Only well-formed ``v1,<base64>`` entries reach the library: it unpacks every entry and would
+        # raise on a junk one (no comma, two commas) before trying a valid one after it, so a genuine
+        # request's fate would depend on the order of its entries. Other versions are skipped as the
+        # library skips them.
+        entries = [e for e in signature.split() if _V1_ENTRY.fullmatch(e)]
+        if not entries:
+            raise Rejected(400, "malformed svix-signature (no v1,<base64> entry)")
         ts = int(stamp)
         now = self._clock()
         if ts < now - self._tolerance:
             raise Rejected(401, "svix-timestamp too old")
         if ts > now + self._tolerance:
             raise Rejected(401, "svix-timestamp in the future")
-        mapped = {"webhook-id": msg_id, "webhook-timestamp": stamp, "webhook-signature": signature}
+        mapped = {"webhook-id": msg_id, "webhook-timestamp": stamp, "webhook-signature": " ".join(entries)}
         for hook in self._hooks:
             try:
                 hook.verify(body, mapped, json_parse=False)

@@ -11,8 +11,9 @@ key order (svix-id, send-log id, mailbox key), so two lanes cannot deadlock each
 if the database says otherwise).
 
 Failures answer the whole group 503 (:class:`Unavailable`): the database is down or refused the group
-(the provider retries them). A group the database refuses for its data (a bad value in one event) is
-retried event by event, so one event cannot fail its neighbours again and again. A deadlock or
+(the provider retries them). A group that fails for its data (a value the database or the driver refuses,
+or any other error that is not the connection's) is retried event by event, so one event cannot fail its
+neighbours again and again. A deadlock or
 serialization failure is retried once. More than ``max_waiting`` events waiting: new ones are refused at
 once (:class:`Overloaded`, 503) instead of queueing without bound.
 
@@ -102,7 +103,7 @@ class _Lane:
             result = self.ingest(events)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             raise  # the database is unreachable: the whole group answers 503
-        except psycopg.Error as exc:
+        except Exception as exc:  # the data of one event (the database's refusal or our own code's): split
             if len(events) == 1:
                 raise
             log.warning("webhook group of %d refused (%s): storing its events one by one", len(events),
@@ -111,7 +112,9 @@ class _Lane:
             for e in events:
                 try:
                     out.update(self._answers(self.ingest([e]), [e]))
-                except psycopg.Error as one:
+                except (psycopg.OperationalError, psycopg.InterfaceError):
+                    raise  # unreachable now: the rest of the group answers 503 too
+                except Exception as one:  # noqa: BLE001 - this event alone answers 503
                     log.error("webhook %s (%s) not stored: %s", e.svix_id, e.event_type, type(one).__name__)
                     out[e.svix_id] = Unavailable(f"not stored ({type(one).__name__})")
             return out

@@ -150,26 +150,39 @@ class Applied:
         return sum(1 for d in self.decisions if d.decision == decision)
 
 
+def _one_address(value: str) -> str | None:
+    """The address of ``value`` if it names exactly one RFC 5322 mailbox (display name dropped), else
+    None. ``getaddresses`` and not ``parseaddr``: this Python's ``parseaddr`` returns the first address
+    of ``"a@x.com, b@y.com"`` (or of ``"a@x.com <b@y.com>"``) as if it were the only one."""
+    pairs = email.utils.getaddresses([value.strip()])
+    if len(pairs) != 1 or not pairs[0][1]:
+        return None
+    return pairs[0][1].strip()
+
+
 @lru_cache(maxsize=65536)
-def normalise_recipient(value: str) -> str:
+def normalise_recipient(value: str) -> str | None:
     """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"``: the mailbox key
     (:func:`mailflow.store.policy.mailbox_key`) of an RFC 5322 mailbox's address; not a valid
-    address: the trimmed text, case-folded. Cached (the receiver checks every event)."""
-    _name, addr = email.utils.parseaddr(value.strip())
-    text = (addr or value).strip()
+    address: the trimmed address text, case-folded; None if ``value`` names no address or several
+    (``"a@x.com, b@y.com"``). Cached (the receiver checks every event)."""
+    text = _one_address(value)
+    if text is None:
+        return None
     return mailbox_key(text) or text.casefold()
 
 
 def recipient_matches(to: Any, address: str) -> bool:
     """True if the provider's ``to`` (a list of addresses, or one string) is exactly ``address``,
-    normalised (:func:`normalise_recipient`). Several recipients, none, or another one: False (we
-    send one recipient per email)."""
+    normalised (:func:`normalise_recipient`). Several recipients (as list items or in one string),
+    none, or another one: False (we send one recipient per email)."""
     items = [to] if isinstance(to, str) else to if isinstance(to, list) else []
     if len(items) != 1:
         return False
     if items[0] == address:  # the provider echoes what we sent: the common case needs no parsing
         return True
-    return normalise_recipient(str(items[0])) == normalise_recipient(address)
+    theirs = normalise_recipient(str(items[0]))
+    return theirs is not None and theirs == normalise_recipient(address)
 
 
 def provider_recipient(to: Any) -> str | None:
@@ -178,9 +191,8 @@ def provider_recipient(to: Any) -> str | None:
     items = [to] if isinstance(to, str) else to if isinstance(to, list) else []
     if len(items) != 1 or not isinstance(items[0], str):
         return None
-    _name, addr = email.utils.parseaddr(items[0].strip())
-    text = (addr or items[0]).strip()
-    return text if mailbox_key(text) is not None else None
+    text = _one_address(items[0])
+    return text if text is not None and mailbox_key(text) is not None else None
 
 
 def find_sent(conn: psycopg.Connection, provider_ids: Iterable[str]) -> dict[str, SentEmail]:
