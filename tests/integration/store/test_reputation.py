@@ -418,3 +418,18 @@ def test_canary_fields_are_validated_by_name(rig: Rig) -> None:
         with pytest.raises(ValueError, match=message):
             rig.campaign("bad_canary", **bad)
     assert RUN.dag_id == "dispatch_scheduled_emails"
+
+
+def test_a_person_who_pauses_a_guard_paused_campaign_keeps_it_paused_through_a_resume(rig: Rig) -> None:
+    cid = provisioned(rig, 3)
+    emails(rig.db, "outreach_test", 100, hard=9, kind="scheduled")
+    [trip] = reputation.evaluate(rig.db, ["outreach_test"], config=CONFIG, include_account=False)
+    assert trip.paused == ("outreach_test",)
+    # a person decides it stays paused (the list is being cleaned), while the guard's pause holds it
+    out = scheduled.pause(rig.db, cid, actor="carol")
+    assert (out["status"], out["changed"]) == ("paused", False)
+
+    out = resume_reputation(rig.db, "campaign", "outreach_test", actor="alice", reason="rates checked")
+    assert (out["changed"], out["unpaused"]) == (True, [])
+    assert rig.campaign_row(cid)["status"] == "paused"
+    assert rig.dispatch().sent == 0

@@ -67,12 +67,18 @@ def cancel(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = No
 
 def pause(conn: psycopg.Connection, campaign_id: int, *, actor: str | None = None) -> dict[str, Any]:
     """Pause a draft or scheduled campaign: the dispatcher stops claiming its rows (rows in flight
-    finish); the plan is kept. Pausing a paused campaign changes nothing.
+    finish); the plan is kept. Pausing a paused campaign changes no status, but is recorded (a
+    paused -> paused event by ``actor``): the latest pause is then this decision, so a reputation-guard
+    resume (which lifts only the guard's own pauses, :func:`mailflow.store.reputation.resume`) leaves
+    the campaign paused.
 
     :raises CampaignStateError: if the campaign is cancelled or completed.
     """
     with conn.transaction():
         c, changed = _transition(conn, campaign_id, ("draft", "scheduled"), "paused", actor)
+        if not changed:
+            record_event(conn, campaign_id, "paused", "paused", actor,
+                         reason=f"paused again by {actor or 'an operator'} (it was paused already)")
     return {"campaign": c["name"], "status": "paused", "changed": changed}
 
 
