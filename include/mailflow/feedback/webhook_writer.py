@@ -101,8 +101,8 @@ class _Lane:
         """One transaction for the group; if the database refuses its data, one per event."""
         try:
             result = self.ingest(events)
-        except (psycopg.OperationalError, psycopg.InterfaceError):
-            raise  # the database is unreachable: the whole group answers 503
+        except (psycopg.OperationalError, psycopg.InterfaceError, Unavailable):
+            raise  # the database is unreachable (or not configured): the whole group answers 503
         except Exception as exc:  # the data of one event (the database's refusal or our own code's): split
             if len(events) == 1:
                 raise
@@ -112,7 +112,7 @@ class _Lane:
             for e in events:
                 try:
                     out.update(self._answers(self.ingest([e]), [e]))
-                except (psycopg.OperationalError, psycopg.InterfaceError):
+                except (psycopg.OperationalError, psycopg.InterfaceError, Unavailable):
                     raise  # unreachable now: the rest of the group answers 503 too
                 except Exception as one:  # noqa: BLE001 - this event alone answers 503
                     log.error("webhook %s (%s) not stored: %s", e.svix_id, e.event_type, type(one).__name__)
