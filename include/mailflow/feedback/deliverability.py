@@ -5,8 +5,9 @@ the provider sees them. This poll only covers what the webhooks did not deliver 
 than the provider retries, an endpoint not registered yet): the ``deliverability_feedback`` DAG calls
 :func:`feedback_task` every 30 minutes, and one run asks ``GET /emails/{provider id}`` (Resend's Email
 object, field ``last_event``) for the ``sent`` emails of the last ``lookback`` hours that are at least
-``min_age`` old (default 1 h: webhooks come first) and have **no outcome** yet
-(``mail.delivery_status.outcome`` is null; see ``store/sql/queries/feedback.sql``, ``due_checks``).
+``min_age`` old (default 1 h: webhooks come first) and have **no final outcome** yet
+(``mail.delivery_status.outcome`` is null, or ``delayed``: the provider is still trying; see
+``store/sql/queries/feedback.sql``, ``due_checks``).
 
 It stays off the critical rate path: every GET claims a slot of the same shared pacer as the sends,
 and a run makes at most ``rate_share`` (default 1%) of the slots the account has between two runs
@@ -220,7 +221,8 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
                   min_age: timedelta = timedelta(hours=1), recheck_after: timedelta = timedelta(hours=2),
                   max_checks: int = 4, limit: int = 500, budget_seconds: float = 600.0,
                   max_requests: int | None = None, run: RunContext | None = None) -> FeedbackSummary:
-    """Ask once about the sent emails that have no outcome yet and apply the answers.
+    """Ask once about the sent emails that have no final outcome yet (none, or only ``delayed``) and
+    apply the answers.
 
     :param conn: psycopg 3 connection to the send log (autocommit is switched on; each email's
         record and suppression is one transaction, so a crash loses at most the email in flight).

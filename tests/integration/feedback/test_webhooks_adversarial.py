@@ -8,20 +8,25 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from starlette.testclient import TestClient
+from test_webhooks_server import receiver
 from webhook_rig import SECOND, SECRET, at, envelope, events, inbox, seed_sent, signed, status, suppressions
 
 from mailflow.feedback.webhook_ingest import WebhookEvent, ingest, parse_event
 from mailflow.feedback.webhook_verify import sign
 from mailflow.feedback.webhooks import GroupWriter, Unavailable, connect_factory, create_app
 from mailflow.store.outcomes import provider_recipient, recipient_matches
+from mailflow.store.sql import query
 
 
 @pytest.fixture
@@ -243,3 +248,101 @@ def test_an_event_our_code_fails_on_does_not_fail_its_group(wdb: psycopg.Connect
     assert isinstance(got[1], Unavailable)
     assert [row[0] for row in inbox(wdb)] == ["msg_g1", "msg_g2"]
     assert status(wdb, ids["em_g1"])["outcome"] == "delivered"  # type: ignore[index]
+
+
+# -- transport (the standalone server: uvicorn with the receiver's limits) ---------------------------
+
+
+def _recv_all(s: socket.socket, deadline: float) -> bytes:
+    got = b""
+    while time.monotonic() < deadline:
+        try:
+            part = s.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            break
+        if not part:
+            break
+        got += part
+    return got
+
+
+def test_slow_headers_trickled_chunks_and_huge_headers_get_4xx_or_a_close(wdb: psycopg.Connection, db_dsn: str,
+                                                                          tmp_path: Path) -> None:
+    seed_sent(wdb, {"em_t": "t@example.com"})
+    body, headers = signed(envelope("bounced", "em_t", "t@example.com"), svix_id="msg_trickle")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with receiver(db_dsn, tmp_path, "--header-timeout", "1", "--body-timeout", "1", "--sweep-every", "0") as base:
+        port = int(base.rsplit(":", 1)[1])
+        # slowloris: the request line and headers one byte at a time, never finished
+        s = socket.create_connection(("127.0.0.1", port), timeout=1)
+        started = time.monotonic()
+        closed = False
+        for ch in b"POST /resend HTTP/1.1\r\nHost: x\r\n" + head.encode():
+            try:
+                s.sendall(bytes([ch]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.05)
+            if time.monotonic() - started > 6:
+                break
+        got = _recv_all(s, time.monotonic() + 2) if not closed else b""
+        s.close()
+        assert closed or got == b"" or got.startswith(b"HTTP/1.1 4"), got[:80]
+        assert time.monotonic() - started < 6
+
+        # a chunked body trickled forever: cut off by the body timeout, nothing stored
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(f"POST /resend HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n{head}\r\n".encode())
+        started = time.monotonic()
+        got = b""
+        for i in range(40):
+            try:
+                s.sendall(b"1\r\n" + body[i:i + 1] + b"\r\n")
+            except OSError:
+                break
+            s.settimeout(0.25)
+            try:
+                got = s.recv(4096)
+            except TimeoutError:
+                continue
+            break
+        s.close()
+        assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:80]
+        assert time.monotonic() - started < 6
+
+        # headers far larger than any provider's: refused, never a 5xx, and the server still answers
+        huge = dict(headers, **{"svix-signature": "v1,AAAA " * 20_000})
+        try:
+            r = httpx.post(f"{base}/resend", content=body, headers=huge, timeout=5)
+            assert 400 <= r.status_code < 500, r.status_code
+        except httpx.TransportError:
+            pass  # the server closed the connection: also a refusal
+        assert inbox(wdb) == []
+        r = httpx.post(f"{base}/resend", content=body, headers=headers, timeout=5)
+        assert r.status_code == 200 and [x[0] for x in inbox(wdb)] == ["msg_trickle"]
+
+
+# -- the safety-net poll -----------------------------------------------------------------------------
+
+
+def test_the_poll_asks_about_emails_without_a_final_outcome_only(client: TestClient, wdb: psycopg.Connection) -> None:
+    ids = seed_sent(wdb, {"em_none": "n@example.com", "em_delayed": "d@example.com", "em_deliv": "v@example.com",
+                          "em_soft": "s@example.com", "em_hard": "h@example.com", "em_open": "o@example.com",
+                          "em_sent": "e@example.com"})
+    for kind, pid, to, kw in (("delivery_delayed", "em_delayed", "d@example.com", {}),
+                              ("delivered", "em_deliv", "v@example.com", {}),
+                              ("bounced", "em_soft", "s@example.com", {"bounce_type": "Transient"}),
+                              ("bounced", "em_hard", "h@example.com", {}),
+                              ("opened", "em_open", "o@example.com", {}),
+                              ("sent", "em_sent", "e@example.com", {})):
+        assert post(client, envelope(kind, pid, to, **kw)).status_code == 200
+    due = wdb.execute(query("feedback", "due_checks"), {
+        "lookback_seconds": 48 * 3600, "min_age_seconds": 3600, "recheck_seconds": 7200, "max_checks": 4,
+        "limit": 100}).fetchall()
+    # a delay is no outcome yet: if the delivery or bounce that follows is never pushed, only the poll finds it
+    assert sorted(r[0] for r in due) == sorted([ids["em_none"], ids["em_delayed"], ids["em_sent"]])
+    # younger than the configured age: not yet
+    assert wdb.execute(query("feedback", "due_checks"), {
+        "lookback_seconds": 48 * 3600, "min_age_seconds": 3 * 3600, "recheck_seconds": 7200, "max_checks": 4,
+        "limit": 100}).fetchall() == []

@@ -1,6 +1,7 @@
 -- name: due_checks
--- The safety-net poll's work: sent emails of the lookback window, at least min_age old, that have NO outcome
--- yet (mail.delivery_status.outcome is null: no webhook and no earlier poll reported one) and are due: never
+-- The safety-net poll's work: sent emails of the lookback window, at least min_age old, that have NO final
+-- outcome yet (mail.delivery_status.outcome is null: no webhook and no earlier poll reported one; or 'delayed':
+-- the provider is still trying, and the delivery or bounce that follows may never be pushed) and are due: never
 -- polled, or polled fewer than max_checks times with a non-final answer, last polled more than
 -- recheck * 2^(checks - 1) ago (exponential spacing). Never-polled first, then the longest-waiting. The window
 -- is read through mail.sent_email (0011): one range of send_log_campaign_sent_idx per campaign (the send log
@@ -12,7 +13,7 @@ where l.provider_message_id is not null
   and l.sent_at >= now() - make_interval(secs => %(lookback_seconds)s)
   and l.sent_at <= now() - make_interval(secs => %(min_age_seconds)s)
   and (ds.send_log_id is null
-       or (ds.outcome is null
+       or ((ds.outcome is null or ds.outcome = 'delayed')
            and not ds.final
            and ds.checks < %(max_checks)s
            and (ds.checked_at is null
