@@ -9,14 +9,11 @@ minutes, so a rotation is picked up), so a missing connection answers 503 and ne
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import make_conninfo
 
 from mailflow import settings
 from mailflow.feedback.webhooks import (
@@ -32,6 +29,7 @@ from mailflow.feedback.webhooks import (
     secrets_from_env,
 )
 from mailflow.masking import mask_connection
+from mailflow.orchestration.send_log_dsn import AirflowDsn
 
 URL_PREFIX = "/mailflow-webhooks"
 
@@ -59,39 +57,8 @@ def secrets_from_airflow() -> list[str]:
             raise Unavailable(f"connection {settings.WEBHOOK_CONN_ID!r}: {exc}") from None
 
 
-class _AirflowDsn:
-    """The send-log DSN, resolved on first use and cached: ``MAILFLOW_WEBHOOK_DSN``, else the Airflow
-    connection ``send_log_db`` (host, port, login, password, schema = database, TLS extras)."""
-
-    def __init__(self) -> None:
-        self._dsn: str | None = None
-        self._lock = threading.Lock()
-
-    def dsn(self) -> str:
-        if self._dsn is None:
-            with self._lock:
-                if self._dsn is None:
-                    self._dsn = os.environ.get(DSN_ENV) or self._from_airflow()
-        return self._dsn
-
-    @staticmethod
-    def _from_airflow() -> str:
-        try:
-            from airflow.sdk import BaseHook
-
-            c = BaseHook.get_connection(settings.SEND_LOG_CONN_ID)
-        except Exception:
-            raise Unavailable(f"no send-log database: set {DSN_ENV} or the Airflow connection "
-                              f"{settings.SEND_LOG_CONN_ID!r}") from None
-        params: dict[str, Any] = {k: v for k, v in (c.extra_dejson or {}).items()
-                                  if k in ("sslmode", "sslrootcert", "sslcert", "sslkey", "target_session_attrs")}
-        parts = {"host": c.host, "port": c.port, "user": c.login, "password": c.password, "dbname": c.schema}
-        params.update({k: v for k, v in parts.items() if v})
-        return make_conninfo("", **params)
-
-    def connect(self) -> psycopg.Connection:
-        return psycopg.connect(self.dsn(), connect_timeout=3, autocommit=True,
-                               options="-c statement_timeout=10000")
+def _connect(dsn: str) -> psycopg.Connection:
+    return psycopg.connect(dsn, connect_timeout=3, autocommit=True, options="-c statement_timeout=10000")
 
 
 def create_airflow_app() -> Any:
@@ -103,7 +70,7 @@ def create_airflow_app() -> Any:
     from fastapi import FastAPI
 
     api = FastAPI(title="mailflow webhooks", openapi_url=None, docs_url=None, redoc_url=None)
-    api.mount("/", create_app(secrets_from_airflow, _AirflowDsn().connect))
+    api.mount("/", create_app(secrets_from_airflow, AirflowDsn(DSN_ENV, Unavailable, _connect).connect))
     return api
 
 
