@@ -85,12 +85,18 @@ class _Lane:
         self._conn = None
 
     def ingest(self, events: Sequence[WebhookEvent]) -> IngestResult:
+        """Store and apply ``events`` in one transaction. A deadlock or serialization failure is retried
+        once; so is a connection that was already open and turns out dead (the server restarted since
+        the last group): a fresh connection answers for the database as it is now, and a group whose
+        COMMIT did land before the connection died is absorbed as duplicates by the retry."""
         for attempt in (1, 2):
+            reused = self._conn is not None and not self._conn.closed
             try:
                 return ingest(self.connection(), events)
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 self.drop_connection()
-                if attempt == 2 or getattr(exc, "sqlstate", None) not in _RETRYABLE:
+                stale = reused and attempt == 1
+                if attempt == 2 or (getattr(exc, "sqlstate", None) not in _RETRYABLE and not stale):
                     raise
             except psycopg.Error as exc:
                 if attempt == 2 or getattr(exc, "sqlstate", None) not in _RETRYABLE:
