@@ -7,7 +7,6 @@ compose gives it. Also the other addresses the file wires together."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -44,10 +43,14 @@ def fresh_plugin_app() -> Iterator[None]:
     """The plugin's endpoint resolves its secret on the first request and keeps it: give the API
     server's next app a fresh one afterwards, as a restarted API server would have."""
     yield
+    from airflow import plugins_manager
+
     from mailflow.orchestration.unsubscribe import create_airflow_app
 
-    for module in [m for name, m in sys.modules.items() if name.endswith("mailflow_unsubscribe")]:
-        for entry in getattr(getattr(module, "MailflowUnsubscribePlugin", None), "fastapi_apps", []):
+    # the entries the API server mounts (plugins_manager keeps them, cached; the plugin module may have
+    # been imported again under another name since)
+    for entry in plugins_manager.get_fastapi_plugins()[0]:
+        if entry.get("url_prefix") == settings.UNSUBSCRIBE_PATH:
             entry["app"] = create_airflow_app()
 
 
@@ -55,11 +58,13 @@ def fresh_plugin_app() -> Iterator[None]:
 def fresh_webhook_plugin_app() -> Iterator[None]:
     """The webhook plugin resolves its secrets on the first request and keeps them for minutes: give
     the API server a fresh app before and after, as a started or restarted API server has."""
-    from mailflow.orchestration.webhooks import create_airflow_app
+    from airflow import plugins_manager
 
-    def renew() -> None:
-        for module in [m for name, m in sys.modules.items() if name.endswith("mailflow_webhooks")]:
-            for entry in getattr(getattr(module, "MailflowWebhooksPlugin", None), "fastapi_apps", []):
+    from mailflow.orchestration.webhooks import URL_PREFIX, create_airflow_app
+
+    def renew() -> None:  # the entries the API server mounts (plugins_manager keeps them, cached)
+        for entry in plugins_manager.get_fastapi_plugins()[0]:
+            if entry.get("url_prefix") == URL_PREFIX:
                 entry["app"] = create_airflow_app()
 
     renew()
