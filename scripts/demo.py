@@ -3,18 +3,27 @@
 0. one demo at a time: a second one refuses with one line (or waits, ``--wait SECONDS``);
 1. a PostgreSQL for the send log: ``AIRFLOW_CONN_SEND_LOG_DB`` if set, else the embedded server
    (``.demo/pgdata``, Unix socket only); database ``mailflow_demo``;
-2. the Resend-compatible emulator on a free port, cap 10 requests/s. Its outbox and idempotency
-   memory belong to the database, not to the checkout: ``.demo/send-logs/<db identity>/`` (see
+2. the webhook receiver (``python -m mailflow.feedback.webhooks``) on a free port against that
+   database, with a signing secret generated once into ``.demo/webhook.secret``;
+3. the Resend-compatible emulator on a free port, cap 10 requests/s, pushing each accepted email's
+   lifecycle to the receiver as signed webhooks (seeded rates: a few % bounces, a complaint or two,
+   opens and clicks; :data:`mailflow_dev.webhooks.DEMO_LIFECYCLE`). Its outbox and idempotency memory
+   belong to the database, not to the checkout: ``.demo/send-logs/<db identity>/`` (see
    :func:`mailflow_dev.devenv.database_identity`), so a restarted emulator recognises a resend and a
    fresh database starts with a fresh outbox;
-3. migrations, demo data (5,000 synthetic users, seed 42, loaded once);
-4. ``airflow dags test lifecycle_emails`` for the latest complete hour (Airflow metadata in
+4. migrations, demo data (5,000 synthetic users, seed 42, loaded once);
+5. ``airflow dags test lifecycle_emails`` for the latest complete hour (Airflow metadata in
    ``.demo/airflow``, SQLite);
-5. the reconciler (:func:`mailflow.reconciler.reconcile`): rows an interrupted earlier demo left
+6. the reconciler (:func:`mailflow.reconciler.reconcile`): rows an interrupted earlier demo left
    ``sending`` are resent under their key and bytes (the emulator replays what it accepted);
-6. a per-campaign table read back from ``mail.send_log`` and an audit of the outbox against it.
-It stops what it started: the emulator, and the embedded server only if this run started it, no
-other client uses it and ``--keep-db`` is not given.
+7. a bounded wait until the emulator's accounting says every webhook was acknowledged and the
+   receiver applied them, and a check that none it acknowledged is missing from the database;
+8. a per-campaign table read back from ``mail.send_log``, an audit of the outbox against it, the
+   outcomes per campaign (``mail.campaign_outcomes``) and the addresses the outcomes suppressed.
+While ``make airflow`` runs on the same database, its emulator is used, and it pushes to the API
+server's plugin (``/mailflow-webhooks/resend``) instead of a receiver of the demo's own.
+It stops what it started: the emulator, the receiver, and the embedded server only if this run
+started it, no other client uses it and ``--keep-db`` is not given.
 """
 
 from __future__ import annotations
@@ -33,15 +42,36 @@ from pathlib import Path
 
 import psycopg
 
-from mailflow.cli import REPORT_HEAD, audit, print_table, report
+from mailflow.cli import (
+    OUTCOMES_HEAD,
+    REPORT_HEAD,
+    audit,
+    feedback_suppressions,
+    outcome_cells,
+    outcomes,
+    print_table,
+    report,
+)
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.store.migrate import migrate
 from mailflow_dev import devenv
 from mailflow_dev.demo.loader import load_demo_data
+from mailflow_dev.webhooks import (
+    DEMO_LIFECYCLE,
+    Accounting,
+    ReceiverProcess,
+    acknowledged_ids,
+    lost,
+    wait_acknowledged,
+    wait_applied,
+    webhook_secret,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = devenv.STATE
 EXIT_BUSY = 3
+WEBHOOK_WAIT_SECONDS = 20.0
+"""How long the demo waits after the run for the last webhooks (usually well under a second)."""
 
 
 def secret_file(name: str) -> str:
@@ -54,7 +84,7 @@ def secret_file(name: str) -> str:
 
 
 def airflow_env(dsn: str, emulator_url: str, api_key: str) -> dict[str, str]:
-    """Environment for the Airflow CLI: home, DAG folder, and the three connections."""
+    """Environment for the Airflow CLI: home, DAG folder, and the four connections."""
     home = STATE / "airflow"
     home.mkdir(parents=True, exist_ok=True)
     env = os.environ.copy()
@@ -72,6 +102,8 @@ def airflow_env(dsn: str, emulator_url: str, api_key: str) -> dict[str, str]:
             "extra": {"requests_per_second": 10, "target_fraction": 0.8}}),
         "AIRFLOW_CONN_MAIL_UNSUBSCRIBE": json.dumps({"conn_type": "generic",
                                                      "password": secret_file("unsubscribe.secret")}),
+        "AIRFLOW_CONN_MAIL_WEBHOOK": json.dumps({"conn_type": "generic",
+                                                 "password": webhook_secret(STATE / "webhook.secret")}),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     })
     return env
@@ -183,8 +215,10 @@ def run(args: argparse.Namespace) -> int:
     end = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     start = end - timedelta(hours=1)
     api_key = "re_demo_" + secret_file("emulator.key")[:16]
+    hooks: dict[str, int] = {}
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
+            run_started = conn.execute("select now()").fetchone()[0]
             state = devenv.database_state(conn)
             outbox, idem_store = state / "outbox.jsonl", state / "idempotency.jsonl"
             legacy = STATE / "outbox.jsonl"  # before per-database state: the embedded database's outbox
@@ -197,11 +231,18 @@ def run(args: argparse.Namespace) -> int:
             before = conn.execute("select count(*) from mail.send_log where status = 'sent'").fetchone()[0]
 
         shared = shared_emulator(state)
-        with (contextlib.nullcontext(shared) if shared else
-              EmulatorProcess(outbox=outbox, api_key=api_key, rate_limit=10, control=False,
-                              idempotency_store=idem_store)) as emu:
+        secret = webhook_secret(STATE / "webhook.secret")
+        receiver = None if shared else ReceiverProcess(dsn, secret, STATE / "webhook-receiver.log")
+        with contextlib.ExitStack() as stack:
+            if receiver is not None:
+                stack.enter_context(receiver)
+                print(f"webhook receiver: {receiver.url} (standalone, signing secret in {STATE / 'webhook.secret'})")
+            emu = stack.enter_context(contextlib.nullcontext(shared) if shared else EmulatorProcess(
+                outbox=outbox, api_key=api_key, rate_limit=10, idempotency_store=idem_store, seed=args.seed,
+                webhook_url=receiver.url if receiver else "", webhook_secrets=[secret], **DEMO_LIFECYCLE))
             print(f"email API emulator: {emu.base_url} (outbox {outbox})"
-                  + (" - the one of `make airflow`, which uses this database too" if shared else ""))
+                  + (" - the one of `make airflow`, which uses this database too and pushes its webhooks to the "
+                     "API server's plugin" if shared else ", pushing signed webhooks to the receiver"))
             env = airflow_env(dsn, emu.base_url, api_key)
             if not (STATE / "airflow" / "airflow.db").exists():
                 print("airflow: migrating its metadata database (first run only)")
@@ -215,7 +256,12 @@ def run(args: argparse.Namespace) -> int:
             repaired = reconcile_after(dsn, emu.base_url, api_key, external=bool(external))
             print("reconciler: " + (", ".join(f"{k}={v}" for k, v in repaired.items() if v)
                                     or "nothing left over from an earlier run"))
+            hooks = settle_webhooks(dsn, emu.base_url)
+            if hooks.get("lost"):
+                bad["webhooks_lost"] = hooks["lost"]
 
+        if receiver is not None:
+            print(f"webhook receiver: {receiver.how_stopped}")
         with psycopg.connect(dsn, autocommit=True) as conn:
             after = conn.execute("select count(*) from mail.send_log where status = 'sent'").fetchone()[0]
             minted_here = conn.execute("select count(*) from mail.send_log where data_interval_end = %s",
@@ -230,11 +276,18 @@ def run(args: argparse.Namespace) -> int:
                   + ("" if new else " (nothing new: everyone in this interval was already emailed or is in cooldown)"))
             result = audit(conn, outbox)
             print("audit (send log vs outbox): " + ", ".join(f"{k}={v}" for k, v in result.items()))
+            print()
+            print(f"outcomes per campaign (mail.campaign_outcomes; rates of sent; {since_text(hooks)}):")
+            print_table(OUTCOMES_HEAD, [outcome_cells(r) for r in outcomes(conn)])
+            suppressed = feedback_suppressions(conn, run_started)
+            print(f"suppressed by these outcomes: {sum(suppressed.values())} addresses"
+                  + (" (" + ", ".join(f"{k} {v}" for k, v in suppressed.items()) + ")" if suppressed else ""))
             print(f"outbox: {outbox}   query the send log: make psql   the Airflow UI: make airflow")
-            bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
-            if bad:
-                print(f"AUDIT FAILED: {bad}: the outbox {outbox} holds emails the send log does not explain "
+            failed = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
+            if failed:
+                print(f"AUDIT FAILED: {failed}: the outbox {outbox} holds emails the send log does not explain "
                       "(was another emulator writing to it?)", file=sys.stderr)
+            bad.update(failed)
     finally:
         if started_server and not args.keep_db:
             others = devenv.other_clients(dsn)
@@ -246,7 +299,43 @@ def run(args: argparse.Namespace) -> int:
             print("embedded PostgreSQL left running (" + ("--keep-db" if started_server else
                   "this demo did not start it") + "); make stop stops it")
     print(f"demo took {time.monotonic() - started:.1f} s")
+    if bad:
+        print(f"DEMO FAILED: {bad}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def settle_webhooks(dsn: str, emulator_url: str) -> dict[str, int]:
+    """After the run: wait (bounded) until the emulator has every webhook acknowledged and the send log
+    has them all applied; print the emulator's accounting and how many acknowledged events the
+    database lacks (``lost``). Returns ``{"lost": n, "pending": n, "unapplied": n}`` (empty when the
+    emulator has no accounting to read: a `make airflow` emulator started without its control API)."""
+    import httpx
+
+    t0 = time.monotonic()
+    try:
+        acc: Accounting = wait_acknowledged(emulator_url, WEBHOOK_WAIT_SECONDS)
+        ids = acknowledged_ids(emulator_url)
+    except httpx.HTTPError as exc:
+        print(f"webhooks: the emulator's accounting is not readable ({type(exc).__name__}); restart `make airflow`")
+        return {}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        unapplied, _ = wait_applied(conn, max(1.0, WEBHOOK_WAIT_SECONDS - (time.monotonic() - t0)))
+        missing = lost(conn, ids)
+    print(f"webhooks: {acc.messages} signed events pushed, {acc.acknowledged} acknowledged, {acc.pending} pending, "
+          f"{acc.given_up} given up; lost (acknowledged, not in mail.webhook_event): {missing}; "
+          f"not yet applied to the send log: {unapplied}; settled {time.monotonic() - t0:.1f} s after the run")
+    print("webhook events: " + ", ".join(f"{k}={v}" for k, v in sorted(acc.by_type.items())))
+    if acc.pending or unapplied:
+        print(f"webhooks: not settled within {WEBHOOK_WAIT_SECONDS:.0f} s: the outcomes below miss some "
+              "(the receiver applies them when they arrive)")
+    return {"lost": missing, "pending": acc.pending, "unapplied": unapplied}
+
+
+def since_text(hooks: dict[str, int]) -> str:
+    """How complete the outcomes table is, in words."""
+    if not hooks:
+        return "as far as they arrived"
+    return "every webhook applied" if not hooks["pending"] and not hooks["unapplied"] else "some still on the way"
 
 
 if __name__ == "__main__":

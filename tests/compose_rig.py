@@ -9,6 +9,7 @@ from typing import Any
 from conftest import ROOT
 
 COMPOSE_SECRETS = {"MAILFLOW_DB_PASSWORD": "db-pw", "MAILFLOW_UNSUBSCRIBE_SECRET": "unsub-secret-0123456789",
+                   "MAILFLOW_WEBHOOK_SECRET": "whsec_Y29tcG9zZS13ZWJob29rLXNlY3JldC0wMTIz",
                    "AIRFLOW_JWT_SECRET": "jwt-secret", "AIRFLOW_API_SECRET_KEY": "api-secret"}
 AIRFLOW_SERVICES = ("airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
                     "airflow-triggerer", "airflow-worker-1", "airflow-worker-2")

@@ -5,6 +5,7 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow migrate --dsn postgresql://...    # apply pending migrations (the deploy's migrate step)
     mailflow migrate --check --dsn ...         # exit 1 and name them if any are pending
     mailflow report  --dsn ...                 # per-campaign counts by state
+    mailflow outcomes --dsn ...                # per-campaign outcomes the provider reported (webhooks, poll)
     mailflow audit   --dsn ... --outbox PATH   # invariants: sent rows <-> delivered emails
     mailflow keys    --dsn ...                 # batches still sending, per API key identity (key rotation)
     mailflow dead-letters list [--campaign C]  # dead letters nobody has decided on yet
@@ -25,7 +26,7 @@ import json
 import os
 import sys
 from collections import Counter
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,34 @@ def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     (:mod:`mailflow.model.tally`): the first seven states add up to ``total``; ``invalid`` and
     ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total."""
     return conn.execute(query("report", "campaign_tally")).fetchall()
+
+
+#: The outcomes table's columns (mail.campaign_outcomes; the rates are fractions 0..1 of sent).
+OUTCOMES_HEAD: tuple[str, ...] = (
+    "campaign", "sent", "delivered", "hard_bounced", "soft_bounced", "complained", "failed_after_send", "opened",
+    "clicked", "no_outcome_yet", "delivered_rate", "hard_bounce_rate", "complaint_rate", "open_rate", "click_rate")
+
+
+def outcomes(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
+    """Rows of :data:`OUTCOMES_HEAD` by campaign, from ``mail.campaign_outcomes`` (whole history): the
+    sent emails and what the provider reported about them (webhooks and the poll, as
+    ``mail.delivery_status`` holds it). Counts are emails (an email delivered and then complained
+    about is in both); ``opened``/``clicked`` are unique per email; rates are ``Decimal`` fractions
+    0..1 of sent (None when nothing was sent). Campaigns without a sent email are left out."""
+    return conn.execute(query("report", "campaign_outcomes")).fetchall()
+
+
+def outcome_cells(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An :func:`outcomes` row for printing: the rates as percentages with two decimals (``2.07%``)."""
+    counts = len(OUTCOMES_HEAD) - 5
+    return (*row[:counts], *("-" if r is None else f"{100 * r:.2f}%" for r in row[counts:]))
+
+
+def feedback_suppressions(conn: psycopg.Connection, since: datetime) -> dict[str, int]:
+    """Mailboxes suppressed because of the provider's reports since ``since`` (aware datetime), by
+    source: ``{"bounce": n, "complaint": n, "provider_suppressed": n}`` (sources with none are left
+    out). A mailbox counts once, under the strongest report it got."""
+    return dict(conn.execute(query("report", "feedback_suppressions_since"), {"since": since}).fetchall())
 
 
 def keys(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
@@ -166,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--lock-timeout", type=float, default=1.0,
                    help="seconds a transactional migration waits for a table lock before retrying (default 1)")
     sub.add_parser("report", help="per-campaign counts by state", parents=[common])
+    sub.add_parser("outcomes", help="per-campaign outcomes the provider reported: delivered, bounces, complaints, "
+                   "opens, clicks and their rates (mail.campaign_outcomes; docs/send_log.md)", parents=[common])
     a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
                        parents=[common])
     a.add_argument("--outbox", type=Path, required=True)
@@ -254,6 +285,8 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         print(json.dumps(dataclasses.asdict(done) | {"applied": args.apply}, indent=2))
     elif args.cmd == "report":
         print_table(REPORT_HEAD, report(conn))
+    elif args.cmd == "outcomes":
+        print_table(OUTCOMES_HEAD, [outcome_cells(r) for r in outcomes(conn)])
     elif args.cmd == "keys":
         rows = keys(conn)
         print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),

@@ -8,7 +8,7 @@ use it to run Airflow 3 the way an operator does:
   SQLite: the scheduler, API server, DAG processor and workers run in parallel), free ports for the
   API server and the log servers, one JWT secret for every process, SimpleAuthManager with
   ``simple_auth_manager_all_admins`` (a token from ``GET /auth/token``), examples off, the
-  connection "Test" button on, and the three mailflow connections as ``AIRFLOW_CONN_*`` variables
+  connection "Test" button on, and the mailflow connections as ``AIRFLOW_CONN_*`` variables
   (the test tiers) or none (``make airflow`` writes them to the metadata database:
   :func:`sync_connections`).
 * :class:`Proc`: one Airflow command (``airflow standalone``, ``airflow scheduler``, ...) in its
@@ -126,17 +126,22 @@ def airflow_env(home: Path, metadata_dsn: str, connections: Mapping[str, str], *
 
 
 def mailflow_connections(send_log_dsn: str, emulator_url: str, api_key: str, unsubscribe_secret: str, *,
-                         requests_per_second: float = 10, target_fraction: float = 0.8) -> dict[str, str]:
-    """The three mailflow connections as ``AIRFLOW_CONN_*`` environment variables."""
+                         requests_per_second: float = 10, target_fraction: float = 0.8,
+                         webhook_secret: str | None = None) -> dict[str, str]:
+    """The mailflow connections as ``AIRFLOW_CONN_*`` environment variables: the three the sending
+    needs, and ``mail_webhook`` (the webhook signing secret, ``whsec_...``) when ``webhook_secret`` is given."""
     from mailflow_dev import devenv
 
-    return {
+    conns = {
         "AIRFLOW_CONN_SEND_LOG_DB": devenv.airflow_conn_json(send_log_dsn),
         "AIRFLOW_CONN_RESEND_DEFAULT": json.dumps({
             "conn_type": "resend", "host": emulator_url, "password": api_key,
             "extra": {"requests_per_second": requests_per_second, "target_fraction": target_fraction}}),
         "AIRFLOW_CONN_MAIL_UNSUBSCRIBE": json.dumps({"conn_type": "generic", "password": unsubscribe_secret}),
     }
+    if webhook_secret is not None:
+        conns["AIRFLOW_CONN_MAIL_WEBHOOK"] = json.dumps({"conn_type": "generic", "password": webhook_secret})
+    return conns
 
 
 CONN_FIELDS = ("conn_type", "host", "port", "login", "password", "schema", "extra")
@@ -436,6 +441,8 @@ class AirflowApi:
 # -- make airflow / make stop ----------------------------------------------------------------------
 
 ADMIN = "admin"
+WEBHOOK_PATH = "/mailflow-webhooks/resend"
+"""The webhook receiver's path in the API server (plugins/mailflow_webhooks.py)."""
 POOL = ("email_provider", 4, "Bounds concurrent send tasks; the pacer enforces the rate")
 DEMO_CAMPAIGN = "demo_outreach"
 
@@ -518,8 +525,11 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
       demo data (loaded once, as ``make demo`` does, under the demo's lock) and a small scheduled
       campaign;
     * the emulator as the email API (outbox and idempotency memory of that database, as in
-      ``make demo``), API key in ``.demo/emulator.key``;
-    * the package's DAGs and plugins, the ``email_provider`` pool, and the three connections in the
+      ``make demo``), API key in ``.demo/emulator.key``; it pushes each email's lifecycle (the demo's
+      seeded rates, :data:`mailflow_dev.webhooks.DEMO_LIFECYCLE`) as signed webhooks to the API
+      server's plugin, ``/mailflow-webhooks/resend``, with the secret in ``.demo/webhook.secret``
+      (its control API is on, loopback only: ``make demo`` reads its webhook accounting);
+    * the package's DAGs and plugins, the ``email_provider`` pool, and the four connections in the
       metadata database (Admin -> Connections shows them, an edit there is kept across restarts,
       the "Test" button is on: :func:`sync_connections`); DAGs are created paused (unpause one in
       the UI to send), and on a restart it says which ones are not;
@@ -534,6 +544,7 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
     from mailflow.store.migrate import migrate
     from mailflow_dev import devenv
     from mailflow_dev.demo.loader import load_demo_data
+    from mailflow_dev.webhooks import emulator_flags, webhook_secret
 
     here = local_dir()
     if (pid := devenv.local_airflow_pid()) is not None:
@@ -559,10 +570,13 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         _demo_campaign(send_log_dsn)
 
         api_key = "re_demo_" + _secret(devenv.STATE / "emulator.key")[:16]
+        hook_secret = webhook_secret(devenv.STATE / "webhook.secret")
+        webhook_url = f"http://127.0.0.1:{port}{WEBHOOK_PATH}"
         emu_port = _stable_port(here / "emulator.port")
         emulator = Proc("emulator", [sys.executable, "-m", "mailflow.emulator", "--port", str(emu_port),
                                      "--outbox", str(state / "outbox.jsonl"), "--idempotency-store",
-                                     str(state / "idempotency.jsonl"), "--api-key", api_key, "--rate-limit", "10"],
+                                     str(state / "idempotency.jsonl"), "--api-key", api_key, "--rate-limit", "10",
+                                     *emulator_flags(webhook_url, hook_secret)],
                         {**os.environ, "PYTHONUNBUFFERED": "1"}, here / "emulator.log").start()
         (here / "emulator.pid").write_text(str(emulator.pid))
         emulator_url = f"http://127.0.0.1:{emu_port}"
@@ -579,7 +593,8 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         try:
             airflow_cli(env, "db", "migrate", timeout=600)
             synced = sync_connections(env, mailflow_connections(
-                send_log_dsn, emulator_url, api_key, _secret(devenv.STATE / "unsubscribe.secret")),
+                send_log_dsn, emulator_url, api_key, _secret(devenv.STATE / "unsubscribe.secret"),
+                webhook_secret=hook_secret),
                 here / "connections.json")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"make airflow: {exc}", file=sys.stderr)
@@ -604,6 +619,8 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         banner = (f"Airflow UI:        http://127.0.0.1:{port}/   login: {ADMIN} / {password}\n"
                   f"campaign progress: http://127.0.0.1:{port}/plugin/mailflow (Browse > Mail campaigns)\n"
                   f"email API:         {emulator_url} (emulator, API key in {devenv.STATE / 'emulator.key'})\n"
+                  f"webhooks:          {webhook_url} (the emulator pushes each email's outcomes there, "
+                  f"signed; connection mail_webhook)\n"
                   f"send log:          {send_log_dsn}\n"
                   f"stop everything:   make stop")
         (here / "banner.txt").write_text(banner + "\n")

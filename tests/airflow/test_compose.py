@@ -1,12 +1,13 @@
 """docker-compose.yaml against the real code: the unsubscribe link an email from the compose
 deployment carries, built by the product from the environment compose gives the workers, reaches
 the plugin inside the real Airflow API server (Airflow's FastAPI app with ./plugins loaded; no
-Docker engine needed). Also the other addresses the file wires together."""
+Docker engine needed); so does a webhook the compose emulator signs, at the URL and with the secret
+compose gives it. Also the other addresses the file wires together."""
 
 from __future__ import annotations
 
 import json
-import sys
+import time
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -42,11 +43,42 @@ def fresh_plugin_app() -> Iterator[None]:
     """The plugin's endpoint resolves its secret on the first request and keeps it: give the API
     server's next app a fresh one afterwards, as a restarted API server would have."""
     yield
+    from airflow import plugins_manager
+
     from mailflow.orchestration.unsubscribe import create_airflow_app
 
-    for module in [m for name, m in sys.modules.items() if name.endswith("mailflow_unsubscribe")]:
-        for entry in getattr(getattr(module, "MailflowUnsubscribePlugin", None), "fastapi_apps", []):
+    # the entries the API server mounts (plugins_manager keeps them, cached; the plugin module may have
+    # been imported again under another name since)
+    for entry in plugins_manager.get_fastapi_plugins()[0]:
+        if entry.get("url_prefix") == settings.UNSUBSCRIBE_PATH:
             entry["app"] = create_airflow_app()
+
+
+@pytest.fixture
+def fresh_webhook_plugin_app() -> Iterator[None]:
+    """The webhook plugin resolves its secrets on the first request and keeps them for minutes: give
+    the API server a fresh app before and after, as a started or restarted API server has."""
+    from airflow import plugins_manager
+
+    from mailflow.orchestration.webhooks import URL_PREFIX, create_airflow_app
+
+    def renew() -> None:  # the entries the API server mounts (plugins_manager keeps them, cached)
+        for entry in plugins_manager.get_fastapi_plugins()[0]:
+            if entry.get("url_prefix") == URL_PREFIX:
+                entry["app"] = create_airflow_app()
+
+    renew()
+    yield
+    renew()
+
+
+def _emulator_args(services: dict[str, Any]) -> Any:
+    """The compose emulator's command line, parsed by the emulator's own parser."""
+    from mailflow.emulator.__main__ import build_parser
+
+    words = " ".join(services["mailflow-emulator"]["command"].split()).split(" ")
+    assert words[:3] == ["python", "-m", "mailflow.emulator"], words
+    return build_parser().parse_args(words[3:])
 
 
 def _compose(extra: dict[str, str] | None = None) -> dict[str, Any]:
@@ -146,3 +178,47 @@ def test_the_compose_addresses_point_at_the_services_that_answer_them() -> None:
     assert (env["AIRFLOW__CORE__TEST_CONNECTION"], env["AIRFLOW__CORE__LOAD_EXAMPLES"]) == ("Enabled", "false")
     assert (env["MAILFLOW_PUBLIC_URL"], env["MAILFLOW_APP_URL"], env["MAILFLOW_ALERT"]) == (
         "http://localhost:8080", "https://app.example.com", "log")
+
+
+@pytest.mark.airflow
+def test_a_webhook_the_compose_emulator_signs_is_accepted_by_the_plugin_in_the_api_server(
+        airflow_db: Path, db: psycopg.Connection, db_dsn: str, monkeypatch: pytest.MonkeyPatch,
+        fresh_webhook_plugin_app: None) -> None:
+    from mailflow.emulator.webhooks import Endpoint
+    from mailflow.orchestration.webhooks import URL_PREFIX
+
+    services = _compose()
+    args, apiserver = _emulator_args(services), env_of(services["airflow-apiserver"])
+    # the emulator pushes to the API server's service, on the port it listens on, at the plugin's path
+    url = urlsplit(args.webhook_url)
+    assert (url.scheme, url.hostname, url.port, url.path) == ("http", "airflow-apiserver", 8080, f"{URL_PREFIX}/resend")
+    assert "8080:8080" in services["airflow-apiserver"]["ports"]
+    # ... and signs with the secret of the connection the API server verifies with
+    secret = json.loads(apiserver["AIRFLOW_CONN_MAIL_WEBHOOK"])["password"]
+    assert args.webhook_secrets == [secret] == [COMPOSE_SECRETS["MAILFLOW_WEBHOOK_SECRET"]]
+    assert args.hard_bounce_rate > 0 and args.open_rate > 0  # outcomes to show, not only deliveries
+
+    db.execute("truncate mail.webhook_event")
+    db.execute("insert into mail.send_log (user_id, campaign, email, email_key, status, sent_at, provider_message_id)"
+               " values (5, 'upgrade_offer', 'compose@example.com', 'compose@example.com', 'sent', now(), 'em_compose')")
+    monkeypatch.setenv("AIRFLOW_CONN_MAIL_WEBHOOK", apiserver["AIRFLOW_CONN_MAIL_WEBHOOK"])
+    monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))  # compose's host is a service
+    for name in ("MAILFLOW_WEBHOOK_SECRETS", "MAILFLOW_WEBHOOK_DSN"):
+        monkeypatch.delenv(name, raising=False)
+    endpoint = Endpoint("ep_compose", args.webhook_url, (), tuple(args.webhook_secrets), time.time())
+    body = json.dumps({"type": "email.bounced", "created_at": "2026-03-02T09:00:00.000Z", "data": {
+        "email_id": "em_compose", "to": ["compose@example.com"], "bounce": {"type": "Permanent"}}})
+    ts = int(time.time())
+    headers = {"svix-id": "msg_compose", "svix-timestamp": str(ts), "content-type": "application/json",
+               "svix-signature": endpoint.sign("msg_compose", ts, body)}
+    from airflow.api_fastapi.app import create_app
+
+    with TestClient(create_app(apps="core"), raise_server_exceptions=False, follow_redirects=False) as c:
+        r = c.post(url.path, content=body.encode(), headers=headers)
+        assert (r.status_code, r.json()) == (200, {"received": True, "decision": "applied"})
+        forged = {**headers, "svix-id": "msg_forged", "svix-signature": Endpoint(
+            "ep_other", args.webhook_url, (), ("whsec_b3RoZXItc2VjcmV0LTAxMjM0NTY3",), time.time()).sign(
+            "msg_forged", ts, body)}
+        assert c.post(url.path, content=body.encode(), headers=forged).status_code == 401
+    assert db.execute("select svix_id, decision from mail.webhook_event").fetchall() == [("msg_compose", "applied")]
+    assert db.execute("select email, source from mail.suppression").fetchall() == [("compose@example.com", "bounce")]

@@ -10,7 +10,9 @@ in the background. Then, through the REST API and in Chromium (Debian's package,
 * the three connections are in the metadata database (Admin -> Connections lists them) and the
   connection "Test" button works (Airflow 3 disables it unless configured);
 * unpausing ``lifecycle_emails`` runs it against the embedded send log and the emulator (the
-  connections work) and it succeeds;
+  connections work) and it succeeds; the emulator pushes the emails' outcomes as signed webhooks to
+  the API server's plugin (``/mailflow-webhooks/resend``, secret from the ``mail_webhook``
+  connection), and they arrive in ``mail.delivery_event``;
 * screenshots: the DAG list, the progress page list and a scheduled campaign with both charts
   (``artifacts/test_make_airflow/``);
 * ``make demo`` meanwhile uses the same emulator and audits clean;
@@ -107,7 +109,8 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
     assert base == f"http://127.0.0.1:{port}" and user == "admin"
     assert "make stop" in up.stdout
     assert "connections (Admin -> Connections): send_log_db created, resend_default created, mail_unsubscribe " \
-        "created" in up.stdout
+        "created, mail_webhook created" in up.stdout
+    assert re.search(rf"webhooks: +http://127\.0\.0\.1:{port}/mailflow-webhooks/resend ", up.stdout), up.stdout
     assert f"DAGs paused: {', '.join(DAGS)} (unpause one to send)" in up.stdout and "unpaused" not in up.stdout
     pid = int((state / "airflow-local" / "standalone.pid").read_text())
     emulator_pid = int((state / "airflow-local" / "emulator.pid").read_text())
@@ -120,7 +123,8 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
         assert api.get("importErrors")["total_entries"] == 0
         assert api.get("pools/email_provider")["slots"] == 4
         conns = {c["connection_id"]: c for c in api.get("connections", limit=100)["connections"]}
-        assert {"send_log_db", "resend_default", "mail_unsubscribe"} <= set(conns)
+        assert {"send_log_db", "resend_default", "mail_unsubscribe", "mail_webhook"} <= set(conns)
+        assert conns["mail_webhook"]["conn_type"] == "generic"
         assert (conns["send_log_db"]["conn_type"], conns["send_log_db"]["schema"]) == ("postgres", "mailflow_demo")
         tested = api.post("connections/test", {k: v for k, v in conns["send_log_db"].items()
                                                if k in ("connection_id", "conn_type", "host", "port", "login",
@@ -149,6 +153,21 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
             "select campaign from mail.send_log where status = 'sent' and run_id = %s"
             " group by campaign order by count(*) desc, campaign limit 1", (run["dag_run_id"],)).fetchone()[0]
     assert sent > 0
+    # the outcomes arrive through the API server's plugin: the emulator pushed them there, signed
+    deadline = time.monotonic() + 30
+    with psycopg.connect(send_log, autocommit=True) as conn:
+        while True:
+            arrived, applied = conn.execute(
+                "select count(*), count(distinct e.send_log_id) filter (where e.event in ('delivered', 'bounced'))"
+                " from mail.delivery_event e join mail.send_log l on l.id = e.send_log_id"
+                " where l.run_id = %s and e.source = 'webhook'", (run["dag_run_id"],)).fetchone()
+            if applied == sent or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        stored = conn.execute("select count(*) from mail.webhook_event").fetchone()[0]
+    print(f"webhooks through the plugin: {stored} stored, {arrived} outcome events of the run's {sent} emails")
+    assert arrived > 0 and stored >= arrived
+    assert applied == sent  # every email of the run has its delivery or bounce recorded
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     context = chromium.new_context(viewport={"width": 1400, "height": 900})
@@ -192,6 +211,9 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
     assert "the one of `make airflow`" in demo.stdout and "this demo did not start it" in demo.stdout
     audit = next(x for x in demo.stdout.splitlines() if x.startswith("audit (send log vs outbox): "))
     assert "duplicate_deliveries=0, sent_without_delivery=0, delivered_without_sent=0, provider_id_mismatch=0" in audit
+    hooks = next(x for x in demo.stdout.splitlines() if x.startswith("webhooks: "))
+    assert " 0 pending, 0 given up; lost (acknowledged, not in mail.webhook_event): 0; not yet applied to the " \
+        "send log: 0;" in hooks, demo.stdout
     assert devenv.pid_alive(pid) and devenv.pid_alive(emulator_pid)
 
     # make stop, as the Makefile runs it (-o: never rebuild the shared venv from here)
