@@ -23,7 +23,17 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import audience, dag_import, dispatch, lifecycle_e2e, memory, pipeline, population, provider, webhooks
+from bench import (
+    audience,
+    dag_import,
+    dispatch,
+    lifecycle_e2e,
+    memory,
+    pipeline,
+    population,
+    provider,
+    webhooks,
+)
 
 RESULTS = Path(__file__).parent / "results"
 SUITES = {
