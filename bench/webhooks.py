@@ -14,7 +14,7 @@ seconds for it to finish applying, and the audit: every acknowledged svix-id is 
 ``mail.webhook_event`` (count), applied (``applied_at`` set), and the suppressions are exactly the
 addresses with an acknowledged permanent bounce or complaint.
 
-**Coverage** (``webhook_coverage_*``): see :func:`coverage`.
+**Coverage** (``webhook_coverage_*``, ``webhook_poll_share_of_rate_limit``): see :func:`coverage`.
 
 ``python -m bench --only webhooks [--quick]`` or ``python -m bench.webhooks [--quick] [--dsn DSN]
 [--only ingestion|coverage]``.
@@ -156,9 +156,180 @@ def ingestion(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
     ]
 
 
+OUTCOME_TYPES = ("email.delivered", "email.bounced", "email.failed", "email.suppressed")
+"""The event that settles an email's outcome; the emulator emits exactly one of them per email."""
+COVERAGE_RATES = {"hard_bounce_rate": 0.02, "soft_bounce_rate": 0.01, "failed_rate": 0.001, "delayed_rate": 0.02,
+                  "complaint_rate": 0.001, "open_rate": 0.30, "click_rate": 0.05}
+"""The emulator's seeded lifecycle rates in the coverage run (about 2.4 events per email)."""
+EVENT_SPREAD_S = 60.0
+WITHIN_S = 300.0
+POLL_RUNS_PER_HOUR = 2  # the deliverability_feedback DAG runs at :10 and :40
+
+
+def _emulator_messages(emu: Any, event_type: str) -> list[dict[str, Any]]:
+    """The emulator's accounting of every genuine message of ``event_type`` (paged)."""
+    out: list[dict[str, Any]] = []
+    offset = 0
+    while True:
+        page = emu._control("GET", f"webhooks?kind=genuine&type={event_type}&limit=20000&offset={offset}")
+        out += page["messages"]
+        offset += len(page["messages"])
+        if not page["has_more"]:
+            return out
+
+
+def _drain(emu: Any, seconds: float) -> tuple[dict[str, Any], float]:
+    """Wait until the emulator has pushed everything it planned (no message pending, nothing queued
+    or in flight), at most ``seconds``; its totals and the seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        totals = emu._control("GET", "webhooks?limit=0")["totals"]
+        if (totals["pending"] == 0 and not totals["queued"] and not totals["in_flight"]) \
+                or time.monotonic() - t0 > seconds:
+            return totals, time.monotonic() - t0
+        time.sleep(1.0)
+
+
 def coverage(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
-    """The coverage benchmark (see the module doc)."""
-    raise NotImplementedError
+    """Outcome coverage after a bounded lifecycle run with webhooks on, and the safety-net poll's
+    share of the rate limit.
+
+    What runs: the population of :mod:`bench.population` (1,000,000 users; ``--quick`` 100,000);
+    the emulator at a cap of 10 requests/s (50 ms latency) with lifecycle rates
+    :data:`COVERAGE_RATES`, each email's events spread over :data:`EVENT_SPREAD_S` seconds after its
+    send, and the receiver registered as its webhook endpoint (every email event type, Svix's retry
+    schedule in real time); the real engine (``run_lifecycle``, pipelined, shared pacer at 0.95 of
+    the cap, as :mod:`bench.lifecycle_e2e` runs it) for ``budget`` seconds (120; quick 15) of the
+    hourly run: not a whole hour, the same full rate. Then the emulator pushes what is still planned
+    (up to 15 minutes), and:
+
+    * coverage = sent emails (send log, this run) whose outcome event (delivered, bounced, failed or
+      suppressed: exactly one per email) is in ``mail.delivery_event`` with ``recorded_at`` at most
+      :data:`WITHIN_S` seconds after the emulator created it (``event_created_at`` of its accounting:
+      the moment the provider emits it; the first attempt's time is reported too). Target 100%.
+    * poll share = the safety-net poll's requests in one run (its default limit, over every email,
+      no minimum age: the worst case of the run) times :data:`POLL_RUNS_PER_HOUR` / the cap's slots
+      in an hour (36,000). Target < 1%.
+    """
+    from datetime import timedelta
+
+    import httpx
+
+    from bench import population
+    from bench.common import ANCHOR, renderer
+    from bench.lifecycle_e2e import API_KEY, CAP, LATENCY_MS
+    from mailflow.campaigns import load_campaigns
+    from mailflow.emulator.testing import EmulatorProcess
+    from mailflow.model.outcome import DataInterval, RunContext
+    from mailflow.provider.client import ResendClient
+    from mailflow.provider.pacing import PostgresPacer
+    from mailflow.sources.lifecycle import run_lifecycle
+    from mailflow.store.send_log import PostgresStore
+
+    users = 100_000 if quick else 1_000_000
+    budget = 15.0 if quick else 120.0
+    fraction = 0.95
+    interval = DataInterval(ANCHOR - timedelta(hours=1), ANCHOR)
+    work = Path(mkdtemp(prefix="mailflow-bench-coverage-"))
+    secret = new_secret()
+    with population.shared_copy(dsn, users, "webhooks", log=print) as (sdsn, pop):
+        rx = ReceiverProcess(sdsn, [secret], work / "receiver.log")
+        with rx, EmulatorProcess(outbox=work / "outbox.jsonl", rate_limit=CAP, store_bodies=False,
+                                 latency_ms=LATENCY_MS, webhook_url=rx.url, webhook_secrets=[secret],
+                                 event_spread_seconds=EVENT_SPREAD_S, **COVERAGE_RATES) as emu:
+            pacer = PostgresPacer(lambda: psycopg.connect(sdsn), account="coverage", requests_per_second=CAP,
+                                  target_fraction=fraction)
+            client = ResendClient(emu.base_url, API_KEY, pacer=pacer, timeout=httpx.Timeout(30.0))
+            run = RunContext(dag_id="bench", run_id="bench-coverage", task_id="send_campaigns")
+            with psycopg.connect(sdsn, autocommit=True) as conn, psycopg.connect(sdsn, autocommit=True) as aconn:
+                store = PostgresStore(conn)
+                t0 = time.perf_counter()
+                summaries = run_lifecycle(store, client, renderer(), load_campaigns(), interval, run=run,
+                                          budget_seconds=budget, pipelined=True, apply_store=store.companion(aconn))
+                wall = time.perf_counter() - t0
+            client.close()
+            sent = sum(s.sent for s in summaries)
+            print(f"    engine: {sent} emails accepted in {wall:.1f} s ({sent / wall:.0f}/s); "
+                  f"draining webhooks", flush=True)
+            totals, drained = _drain(emu, 900.0)
+            messages = [m for t in OUTCOME_TYPES for m in _emulator_messages(emu, t)]
+            with psycopg.connect(sdsn, autocommit=True) as conn:
+                _wait_applied(conn, 60.0)
+                stats_before = emu.stats()["requests"]
+                poll = _safety_net_poll(sdsn, emu.base_url, pacer)
+                poll_requests = emu.stats()["requests"] - stats_before
+                recorded = dict(conn.execute(
+                    "select d.svix_id, extract(epoch from d.recorded_at) from mail.delivery_event d"
+                    " join mail.send_log l on l.id = d.send_log_id where l.run_id = %s and d.svix_id is not null",
+                    (run.run_id,)).fetchall())
+                sent_ids = {r[0] for r in conn.execute(
+                    "select provider_message_id from mail.send_log where run_id = %s and status = 'sent'",
+                    (run.run_id,)).fetchall()}
+                ingest = dict(conn.execute("select coalesce(decision, '(pending)'), count(*) from mail.webhook_event"
+                                           " group by 1").fetchall())
+            pacer.close()
+            rx_log = rx.log_tail(1500)
+    by_email = {m["email_id"]: m for m in messages if m["email_id"] in sent_ids}
+    lags, lags_first, covered = [], [], 0
+    for pid in sent_ids:
+        m = by_email.get(pid)
+        at = recorded.get(m["svix_id"]) if m else None
+        if m is None or at is None:
+            continue
+        lag = float(at) - m["event_created_at"]
+        lags.append(lag)
+        if m["first_emitted_at"] is not None:
+            lags_first.append(float(at) - m["first_emitted_at"])
+        covered += lag <= WITHIN_S
+    share = covered / len(sent_ids) if sent_ids else 0.0
+    lags.sort()
+
+    def q(values: list[float], p: float) -> float:
+        return round(values[min(len(values) - 1, int(p * (len(values) - 1)))], 2) if values else float("nan")
+
+    slots = CAP * 3600
+    poll_share = poll_requests * POLL_RUNS_PER_HOUR / slots
+    params = {"users": users, "budget_seconds": budget, "wall_seconds": round(wall, 1), "fraction": fraction,
+              "sent": len(sent_ids), "accepted": sent, "emails_per_second": round(sent / wall, 1),
+              "outcome_recorded": len(lags), "within_seconds": WITHIN_S,
+              "lag_seconds": {"p50": q(lags, 0.5), "p99": q(lags, 0.99), "max": q(lags, 1.0)},
+              "lag_from_first_attempt_seconds": {"p50": q(sorted(lags_first), 0.5),
+                                                 "p99": q(sorted(lags_first), 0.99)},
+              "drain_seconds": round(drained, 1), "webhooks": {k: totals.get(k) for k in (
+                  "emails", "messages", "acknowledged", "given_up", "pending", "attempts", "attempt_statuses",
+                  "events_by_type")}, "ingest_decisions": ingest, "rates": COVERAGE_RATES,
+              "event_spread_seconds": EVENT_SPREAD_S, "population_seconds": pop["built_seconds"] + pop["copy_seconds"]}
+    print(f"    coverage {share:.4f} ({covered} of {len(sent_ids)}); lag {params['lag_seconds']}; "
+          f"drained in {drained:.0f} s; webhooks {params['webhooks']}; poll {poll}", flush=True)
+    if share < 1.0:
+        print(f"    receiver log tail: {rx_log}", flush=True)
+    return [
+        metric("webhook_coverage_within_5_min", share, "of sent emails with a recorded outcome", "100%",
+               share >= 1.0, **params),
+        metric("webhook_coverage_lag_p99", q(lags, 0.99), "s (recorded_at - emitted)", None, None,
+               p50=q(lags, 0.5), max=q(lags, 1.0)),
+        metric("webhook_poll_share_of_rate_limit", poll_share, "of the cap's slots per hour", "< 1%",
+               poll_share < 0.01, requests_per_run=poll_requests, runs_per_hour=POLL_RUNS_PER_HOUR,
+               slots_per_hour=slots, poll=poll),
+    ]
+
+
+def _safety_net_poll(dsn: str, base_url: str, pacer: Any) -> dict[str, Any]:
+    """One run of the safety-net poll with the DAG's defaults but no minimum age (every email of the
+    run is old enough: the worst case), through the real client and the shared pacer."""
+    from datetime import timedelta
+
+    import httpx
+
+    from bench.lifecycle_e2e import API_KEY
+    from mailflow.feedback.deliverability import poll_feedback
+    from mailflow.provider.client import ResendClient
+
+    with psycopg.connect(dsn) as conn, ResendClient(base_url, API_KEY, pacer=pacer,
+                                                    timeout=httpx.Timeout(30.0)) as client:
+        s = poll_feedback(conn, client, min_age=timedelta(0), limit=500, budget_seconds=600)
+    return {k: v for k, v in vars(s).items() if isinstance(v, int | float | str)} if hasattr(s, "__dict__") \
+        else {"summary": repr(s)}
 
 
 def run(dsn: str, quick: bool = False, only: tuple[str, ...] = ("ingestion", "coverage")) -> list[dict[str, Any]]:
