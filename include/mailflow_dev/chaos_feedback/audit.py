@@ -42,13 +42,13 @@ def audit(conn: psycopg.Connection, messages: list[dict[str, Any]], truth: dict[
     """
     genuine = {m["svix_id"]: m for m in messages if m["kind"] == "genuine"}
     acked = {m["svix_id"] for m in messages if m["kind"] in ("genuine", "duplicate") and m["final"] == "acknowledged"}
-    stored = dict(conn.execute("select svix_id, event_type from mail.webhook_event").fetchall())
+    stored: dict[str, str] = dict(conn.execute("select svix_id, event_type from mail.webhook_event").fetchall())
     lost = sorted(s for s in acked if s not in stored or stored[s] != genuine[s]["type"])
     suppressed_keys = {r[0] for r in conn.execute(
         "select coalesce(email_key, lower(email)) from mail.suppression where email is not null").fetchall()}
     suppressed_users = [r[0] for r in conn.execute(
         "select user_id from mail.suppression where email is null").fetchall()]
-    wrong_supp = sorted(suppressed_keys - expected) + [f"user {u}" for u in suppressed_users]  # type: ignore[operator]
+    wrong_supp = sorted(str(k) for k in suppressed_keys - expected) + [f"user {u}" for u in suppressed_users]
     missed = sorted(k for k in expected - suppressed_keys if k is not None)
     rows = conn.execute(
         "select d.id, d.provider_message_id, l.provider_message_id, l.email, d.event, d.source"
