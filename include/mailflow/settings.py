@@ -1,7 +1,7 @@
 """Per-environment settings (environment variables) and secrets (Airflow connections).
 
 Tiers (see docs/operations.md): credentials in Connections (``send_log_db``, ``resend_default``,
-``mail_unsubscribe``); per-environment values in env vars (below); run-time choices in DAG Params;
+``mail_unsubscribe``, ``mail_webhook``); per-environment values in env vars (below); run-time choices in DAG Params;
 campaign definitions in ``campaigns/*.toml``.
 """
 
@@ -16,6 +16,9 @@ FEEDBACK_CONN_ID = os.environ.get("MAILFLOW_FEEDBACK_CONN_ID", RESEND_CONN_ID)
 """The deliverability_feedback DAG's provider connection: it reads emails (GET /emails/{id}), which
 needs a **full-access** API key. Point it at a connection of its own (e.g. ``resend_full_access``)
 to keep the senders on a sending-only key."""
+WEBHOOK_CONN_ID = os.environ.get("MAILFLOW_WEBHOOK_CONN_ID", "mail_webhook")
+"""The webhook receiver's signing secrets: password = one or more ``whsec_...`` (whitespace or comma
+separated; the newest first while rotating). See docs/feedback.md."""
 
 
 def public_url() -> str:

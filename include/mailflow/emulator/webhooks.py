@@ -16,8 +16,8 @@ A duplicate (the same message once more after it was acknowledged, as when an ac
 lost) is recorded as kind ``duplicate``.
 
 Due attempts are put on an asyncio queue by the event loop's own timers (``call_later``) and
-taken by a fixed pool of worker tasks (``webhook_concurrency``) sharing one keep-alive
-``httpx.AsyncClient``: bounded concurrency, no client per event.
+taken by a fixed pool of worker tasks (``webhook_concurrency``) sharing one keep-alive client
+(:class:`.http_client.PostClient`): bounded concurrency, no client per event.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from collections import OrderedDict
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+import h11
 from standardwebhooks.webhooks import Webhook
 
 from mailflow.emulator.config import EmulatorConfig
+from mailflow.emulator.http_client import PostClient
 from mailflow.emulator.lifecycle import plan_lifecycle
 
 log = logging.getLogger("mailflow.emulator")
@@ -141,7 +142,7 @@ class WebhookDispatcher:
         self._clock = clock  # () -> the emulator's epoch seconds (event times)
         self.endpoints: OrderedDict[str, Endpoint] = OrderedDict()
         self.gen = 0
-        self.client: httpx.AsyncClient | None = None
+        self.client: PostClient | None = None
         self.queue: asyncio.Queue[Message] | None = None
         self.workers: list[asyncio.Task[None]] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -203,9 +204,7 @@ class WebhookDispatcher:
             return
         n = max(1, int(self.cfg.webhook_concurrency))
         self.loop = asyncio.get_running_loop()
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-            timeout=self.cfg.webhook_timeout_seconds, follow_redirects=False, trust_env=False)
+        self.client = PostClient()
         self.queue = asyncio.Queue()
         self.workers = [asyncio.create_task(self._worker(), name=f"webhook-worker-{i}") for i in range(n)]
 
@@ -398,17 +397,15 @@ class WebhookDispatcher:
     async def _post(self, ep: Endpoint, msg_id: str, body: str, timestamp: int, signature: str) -> int | str:
         """POST with the Svix headers; the status, or ``timeout`` / ``refused`` / ``error``."""
         assert self.client is not None
-        headers = {"content-type": "application/json", "user-agent": USER_AGENT, "svix-id": msg_id,
-                   "svix-timestamp": str(timestamp), "svix-signature": signature}
+        headers = [("content-type", "application/json"), ("user-agent", USER_AGENT), ("svix-id", msg_id),
+                   ("svix-timestamp", str(timestamp)), ("svix-signature", signature)]
         try:
-            resp = await self.client.post(ep.url, content=body.encode(), headers=headers,
-                                          timeout=self.cfg.webhook_timeout_seconds)
-            return resp.status_code
-        except httpx.TimeoutException:
+            return await self.client.post(ep.url, body.encode(), headers, self.cfg.webhook_timeout_seconds)
+        except TimeoutError:
             return "timeout"
-        except httpx.ConnectError:
+        except ConnectionRefusedError:
             return "refused"
-        except httpx.HTTPError:
+        except (OSError, h11.ProtocolError, asyncio.IncompleteReadError, ValueError):
             return "error"
 
     # -- accounting --------------------------------------------------------------------------------

@@ -21,11 +21,12 @@ create table if not exists mail.webhook_event (
     alerted_at          timestamptz,
     constraint webhook_event_applied_has_decision check (applied_at is null or decision is not null)
 );
--- "Which events still wait for their email?" (the sweep), oldest first.
-create index if not exists webhook_event_pending_idx on mail.webhook_event (received_at) where applied_at is null;
+-- "Which events still wait for their email?" (the sweep): fewest attempts first, then the oldest.
+create index if not exists webhook_event_pending_idx on mail.webhook_event (attempts, received_at)
+    where applied_at is null;
 -- "Which decisions must a person see?" (mismatches and failures not alerted yet).
 create index if not exists webhook_event_alert_idx on mail.webhook_event (received_at)
-    where alerted_at is null and decision in ('recipient_mismatch', 'failed');
+    where alerted_at is null and decision in ('recipient_mismatch', 'failed', 'unknown_email');
 
 comment on table mail.webhook_event is
     'Every verified provider webhook, one row per svix-id (the provider''s message id, stable across its '
@@ -40,10 +41,13 @@ comment on column mail.webhook_event.payload is 'The verified envelope as receiv
 comment on column mail.webhook_event.applied_at is 'When the event was applied to the send log or decided unmatched; null: waiting.';
 comment on column mail.webhook_event.attempts is 'Apply attempts so far (an email id not in the send log yet is tried again).';
 comment on column mail.webhook_event.decision is
-    'What applying decided: applied, unknown_email (no send-log row has the id, given up), recipient_mismatch '
-    '(the provider''s recipient is not the row''s address: not applied to the row), failed (the provider did '
-    'not send it), ignored (an event type the send log does not track).';
-comment on column mail.webhook_event.alerted_at is 'When a mismatch or failure was put in an alert (null: not yet).';
+    'What applying decided: applied, duplicate_outcome (the outcome was recorded before: nothing changed), '
+    'unknown_email (no send-log row has the id, given up), recipient_mismatch (the provider''s recipient is not '
+    'the row''s address: not applied to the row; the provider''s recipient is suppressed for a hard bounce or '
+    'complaint), failed (the provider did not send it: recorded and alerted), ignored (an event type the send '
+    'log does not track). Null while waiting.';
+comment on column mail.webhook_event.alerted_at is
+    'When a mismatch, failure or unknown email was put in an alert (null: not yet).';
 
 create table if not exists mail.delivery_event (
     id                  bigint      generated always as identity primary key,
@@ -92,8 +96,10 @@ alter table mail.delivery_status
     add column if not exists clicks           integer not null default 0,
     add column if not exists outcome          text,
     add column if not exists outcome_at       timestamptz;
--- A row created by a webhook has never been polled.
+-- A row created by a webhook has never been polled: no poll count, no poll times.
 alter table mail.delivery_status alter column checks set default 0;
+alter table mail.delivery_status alter column first_checked_at drop not null;
+alter table mail.delivery_status alter column checked_at drop not null;
 alter table mail.delivery_status drop constraint if exists delivery_status_checks_check;
 alter table mail.delivery_status drop constraint if exists delivery_status_checks_nonnegative;
 alter table mail.delivery_status add constraint delivery_status_checks_nonnegative check (checks >= 0) not valid;
@@ -104,6 +110,12 @@ alter table mail.delivery_status add constraint delivery_status_outcome_known ch
 create index if not exists delivery_status_no_outcome_idx on mail.delivery_status (send_log_id) where outcome is null;
 
 comment on column mail.delivery_status.checks is 'How many times the status was polled (0: only webhooks reported on it).';
+comment on column mail.delivery_status.last_event is
+    'The poll''s last answer (GET /emails/{id} last_event: delivered, bounced, ..., not_found, or '
+    'recipient_mismatch); ''webhook'' for a row only webhooks reported on. The outcome column is the '
+    'order-independent one.';
+comment on column mail.delivery_status.first_checked_at is 'First poll (timestamptz, UTC); null: never polled.';
+comment on column mail.delivery_status.checked_at is 'Latest poll (timestamptz, UTC); null: never polled.';
 comment on column mail.delivery_status.delivered_at is 'Earliest delivered (or implied by an open or click) time reported.';
 comment on column mail.delivery_status.hard_bounced_at is 'Earliest permanent bounce reported: the address is suppressed.';
 comment on column mail.delivery_status.soft_bounced_at is 'Earliest transient or undetermined bounce reported (not suppressed).';
@@ -120,3 +132,24 @@ comment on column mail.delivery_status.outcome is
     'delivered > soft_bounced > delayed; null: nothing reported yet.';
 comment on column mail.delivery_status.outcome_at is 'When the outcome column last changed (database clock).';
 
+
+-- The outcome of an email from its outcome columns, by precedence (never by arrival order): the one rule the
+-- receiver, the poll and the analyst views share.
+create or replace function mail.delivery_outcome(complained_at timestamptz, hard_bounced_at timestamptz,
+                                                 suppressed_at timestamptz, failed_at timestamptz,
+                                                 delivered_at timestamptz, soft_bounced_at timestamptz,
+                                                 delayed_at timestamptz)
+returns text language sql immutable parallel safe as $$
+    select case when complained_at is not null then 'complained'
+                when hard_bounced_at is not null then 'hard_bounced'
+                when suppressed_at is not null then 'suppressed'
+                when failed_at is not null then 'failed'
+                when delivered_at is not null then 'delivered'
+                when soft_bounced_at is not null then 'soft_bounced'
+                when delayed_at is not null then 'delayed'
+           end
+$$;
+comment on function mail.delivery_outcome(timestamptz, timestamptz, timestamptz, timestamptz, timestamptz,
+                                          timestamptz, timestamptz) is
+    'complained > hard_bounced > suppressed > failed > delivered > soft_bounced > delayed > null, from the '
+    'delivery_status columns of the same names (complained_at, ...): mail.delivery_status.outcome.';
