@@ -58,8 +58,8 @@ class ReceiverProcess:
         return self
 
     def wait_ready(self) -> float:
-        """Block until the receiver answers a request (any status: an unsigned POST is refused with
-        a 4xx); returns the seconds waited."""
+        """Block until the receiver answers ``GET /healthz`` (any status: a 503 there still proves
+        the server is up); returns the seconds waited."""
         assert self.proc is not None
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.startup_timeout:
@@ -68,7 +68,7 @@ class ReceiverProcess:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     pass
-                httpx.post(self.url, content=b"{}", timeout=2.0)
+                httpx.get(f"{self.base_url}/healthz", timeout=2.0)
                 return time.monotonic() - t0
             except (OSError, httpx.HTTPError):
                 time.sleep(0.05)
