@@ -1,47 +1,47 @@
-"""Deliverability feedback: ask the provider what became of recent sends and suppress the addresses
-that hard-bounced, complained or are on the provider's suppression list, so no further mail goes to them.
+"""Deliverability feedback, the safety net: ask the provider about sent emails that still have no outcome.
 
-The ``deliverability_feedback`` DAG calls :func:`feedback_task` every 30 minutes. One run reads the
-send log's ``sent`` emails of the last ``lookback`` hours that are due for a check (see
-``store/sql/queries/feedback.sql``), asks ``GET /emails/{provider id}`` for each (Resend's Email object,
-field ``last_event``), and per email, in one transaction:
+Outcomes arrive as signed webhooks (:mod:`mailflow.feedback.webhooks`, docs/feedback.md), seconds after
+the provider sees them. This poll only covers what the webhooks did not deliver (the receiver down longer
+than the provider retries, an endpoint not registered yet): the ``deliverability_feedback`` DAG calls
+:func:`feedback_task` every 30 minutes, and one run asks ``GET /emails/{provider id}`` (Resend's Email
+object, field ``last_event``) for the ``sent`` emails of the last ``lookback`` hours that are at least
+``min_age`` old (default 1 h: webhooks come first) and have **no outcome** yet
+(``mail.delivery_status.outcome`` is null; see ``store/sql/queries/feedback.sql``, ``due_checks``).
 
-* records what it saw in ``mail.delivery_status`` (last_event, checks, checked_at; ``final`` for
-  ``bounced``, ``complained``, ``failed``, ``canceled`` and an email the provider no longer knows),
-  so an email is polled at most ``max_checks`` times, spaced ``recheck_after * 2^(checks - 1)``
-  apart, and never again after a final event;
-* **checks the recipient first**: the Email object's ``to`` must be exactly the send log's address
-  (normalised: display name dropped, trimmed, compared case-insensitively, local part included).
-  On a mismatch (ids attached to the wrong rows, e.g. a provider answering a batch out of order)
-  nobody is suppressed, the email is recorded as ``recipient_mismatch`` (final) and the run alerts;
-* for ``bounced`` (Resend reports a permanent rejection as ``bounced``; temporary problems are
-  ``delivery_delayed``), ``complained`` (the recipient marked it as spam) and ``suppressed`` (the
-  address is on Resend's own suppression list: the email was not delivered), inserts a suppression
-  of the **address** for all mail (``scope = 'all'``, source ``bounce`` / ``complaint`` /
-  ``provider_suppressed``, ``ON CONFLICT DO NOTHING``). The audiences and the scheduled dispatcher
-  exclude suppressed addresses case-insensitively;
-* for ``failed`` (the provider could not send it; the cause may be ours, so the address is not
-  suppressed: invariant 8), records it (final) and alerts, so a person looks;
-* records every decision (suppressed, already suppressed, mismatch, failed) as an event of the email
-  in ``mail.send_event`` (``sent -> sent``: the row stays ``sent``, its request was accepted; the
-  event's ``error`` says what the provider reported and what was decided), so
-  ``mail.user_email_history`` shows it.
+It stays off the critical rate path: every GET claims a slot of the same shared pacer as the sends,
+and a run makes at most ``rate_share`` (default 1%) of the slots the account has between two runs
+(:func:`request_budget`: ``share * requests_per_second * interval``), retries included, never more.
+
+Per email, in one transaction, the answer is recorded in ``mail.delivery_status`` (last_event, checks,
+checked_at; ``final`` for an answer that will not change, so an email is polled at most ``max_checks``
+times, spaced ``recheck_after * 2^(checks - 1)`` apart) and then applied through the same code as the
+webhooks (:func:`mailflow.store.outcomes.apply_reports`), so the poll and the webhook record the same
+outcome:
+
+* **the recipient is checked first**: the Email object's ``to`` must be exactly the send log's address
+  (normalised). On a mismatch nothing is applied to that row; the provider's own ``to`` is the address
+  that really bounced or complained, and for a hard bounce, a complaint or the provider's suppression
+  list **that** address is suppressed (nobody else); the email is recorded as ``recipient_mismatch``
+  (final) and the run alerts;
+* ``bounced`` (Resend reports a permanent rejection as ``bounced``), ``complained`` and ``suppressed``
+  suppress the **address** for all mail (source ``bounce`` / ``complaint`` / ``provider_suppressed``);
+* ``failed`` (the provider could not send it; the cause may be ours, so the address is not
+  suppressed) is recorded (final) and alerted;
+* every decision is an event of the email in ``mail.send_event`` (sent -> sent), so
+  ``mail.user_email_history`` shows it; the answer is a typed ``mail.delivery_event`` (source poll).
 
 Needs a **full-access** API key: a sending-only key gets 401 ``restricted_api_key`` on
 ``GET /emails/{id}`` (``settings.FEEDBACK_CONN_ID`` may name a connection of its own).
 
-Requests go through the same client and the same shared pacer as sends: each GET claims a slot
-first (``client.pacer.claim()``), honours 429 ``retry-after`` by pushing the shared schedule back
-for every sender, retries 5xx and transport errors a bounded number of times, and stops at the
-run's time budget. A run is bounded by ``limit`` emails, so polling never starves sending.
-Webhooks (``email.bounced``/``email.complained``) are the push alternative (docs/unsubscribe.md).
+Requests honour 429 ``retry-after`` by pushing the shared schedule back for every sender, retry 5xx and
+transport errors a bounded number of times, and stop at the run's time budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import email.utils
 import logging
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -49,13 +49,19 @@ from typing import Any
 import httpx
 import psycopg
 
+from mailflow.feedback.webhook_ingest import guard_reputation
 from mailflow.model.outcome import RunContext
 from mailflow.provider.client import ResendClient, error_fields, parse_retry_after
 from mailflow.provider.errors import describe_refusal
-from mailflow.store.policy import mailbox_key
-from mailflow.store.policy import normalise_address as check_address
+from mailflow.store.outcomes import (
+    EVENTS,
+    Report,
+    SentEmail,
+    apply_reports,
+    normalise_recipient,
+    recipient_matches,
+)
 from mailflow.store.sql import query
-from mailflow.store.suppression import suppress_address, suppress_user
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +81,24 @@ class FeedbackError(RuntimeError):
 
 
 def normalise_address(value: str) -> str:
-    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"``: the mailbox key
-    (:func:`mailflow.store.policy.mailbox_key`) of an RFC 5322 mailbox's address; the domain is
-    case-insensitive (RFC 5321 section 2.4) and so, in practice, is the local part (every mailbox
-    provider we send to treats it so). Not a valid address: the trimmed text, case-folded."""
-    _name, addr = email.utils.parseaddr(value.strip())
-    text = (addr or value).strip()
-    return mailbox_key(text) or text.casefold()
+    """``"Name <A.B@Example.COM> "`` -> ``"a.b@example.com"`` (:func:`mailflow.store.outcomes.normalise_recipient`)."""
+    return normalise_recipient(value)
 
 
-def recipient_matches(to: Any, address: str) -> bool:
-    """True if the provider's ``to`` (a list of addresses, or one string) is exactly ``address``,
-    normalised. Several recipients, none, or another one: False (we send one recipient per email)."""
-    items = [to] if isinstance(to, str) else to if isinstance(to, list) else []
-    return [normalise_address(str(a)) for a in items] == [normalise_address(address)]
+__all__ = ["FeedbackError", "FeedbackSummary", "PacedReader", "normalise_address", "poll_feedback",
+           "recipient_matches", "request_budget"]
+
+
+def request_budget(requests_per_second: float, share: float, interval_seconds: float) -> int:
+    """Requests one poll run may make: ``floor(share * requests_per_second * interval_seconds)``, the
+    given share of the account's slots between two runs (e.g. 1% of 10 requests/s over 30 minutes: 180).
+
+    :raises ValueError: for a share outside [0, 1] or a negative rate or interval.
+    """
+    if not 0 <= share <= 1 or requests_per_second < 0 or interval_seconds < 0:
+        raise ValueError(f"share must be in [0, 1], rate and interval >= 0; got {share}, {requests_per_second}, "
+                         f"{interval_seconds}")
+    return math.floor(share * requests_per_second * interval_seconds + 1e-9)
 
 
 @dataclass
@@ -97,9 +107,11 @@ class FeedbackSummary:
     recorded, ``events`` = answers by last_event, ``suppressed`` = new suppressions,
     ``already_suppressed`` = bounces/complaints whose address was suppressed before,
     ``provider_suppressed`` / ``failed`` = last_event suppressed / failed, ``mismatched`` = answers
-    whose ``to`` was not the send log's address (nothing suppressed), ``errors`` = emails left for a
-    later run after retries, ``stopped`` = why the run ended early (or None). ``alerts`` lists the
-    mismatches and failures (send-log id, masked address, provider id) for the run's alert."""
+    whose ``to`` was not the send log's address (nothing applied to the row; the provider's recipient
+    suppressed for a hard bounce or complaint, counted in ``suppressed``), ``errors`` = emails left for
+    a later run after retries, ``requests`` made of ``request_budget`` (None: unbounded), ``stopped`` =
+    why the run ended early (or None). ``alerts`` lists the mismatches and failures (send-log id,
+    masked address, provider id) for the run's alert; ``campaigns`` those whose emails got an outcome."""
 
     due: int = 0
     checked: int = 0
@@ -114,8 +126,10 @@ class FeedbackSummary:
     errors: int = 0
     requests: int = 0
     stopped: str | None = None
+    request_budget: int | None = None
     events: dict[str, int] = field(default_factory=dict)
     alerts: list[str] = field(default_factory=list)
+    campaigns: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the task's XCom)."""
@@ -130,7 +144,8 @@ class _Answer:
 
 
 class PacedReader:
-    """Paced, retrying ``GET /emails/{id}`` over a :class:`ResendClient`'s pool, pacer and clock.
+    """Paced, retrying ``GET /emails/{id}`` over a :class:`ResendClient`'s pool, pacer and clock,
+    at most ``max_requests`` requests in all (None: unbounded).
 
     Every attempt claims a pacer slot before any wait or I/O (the slot schedule is shared with every
     sender); 429 pushes the schedule back (``retry-after``, else the client's backoff); 5xx and
@@ -138,9 +153,10 @@ class PacedReader:
     attempts per email. Nothing waits past ``deadline`` (``client.clock.monotonic()`` seconds).
     """
 
-    def __init__(self, client: ResendClient):
+    def __init__(self, client: ResendClient, max_requests: int | None = None):
         self.client = client
         self.requests = 0
+        self.max_requests = max_requests
 
     def get_email(self, provider_id: str, deadline: float) -> _Answer:
         """Return ``ok`` with the Email object, ``not_found`` (404), ``error`` (gave up on this one)
@@ -151,6 +167,8 @@ class PacedReader:
         c = self.client
         last = "no attempt made"
         for attempt in range(1, c.policy.max_attempts + 1):
+            if self.max_requests is not None and self.requests >= self.max_requests:
+                return _Answer("stop", reason=f"request budget ({self.max_requests} requests) spent")
             wait = c.pacer.claim()
             if c.clock.monotonic() + wait >= deadline:
                 return _Answer("stop", reason="time budget")
@@ -198,41 +216,49 @@ class PacedReader:
 
 
 def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: timedelta = timedelta(hours=48),
-                  min_age: timedelta = timedelta(minutes=5), recheck_after: timedelta = timedelta(hours=2),
+                  min_age: timedelta = timedelta(hours=1), recheck_after: timedelta = timedelta(hours=2),
                   max_checks: int = 4, limit: int = 500, budget_seconds: float = 600.0,
-                  run: RunContext | None = None) -> FeedbackSummary:
-    """Check the delivery status of recent sends once and suppress hard bounces and complaints.
+                  max_requests: int | None = None, run: RunContext | None = None) -> FeedbackSummary:
+    """Ask once about the sent emails that have no outcome yet and apply the answers.
 
     :param conn: psycopg 3 connection to the send log (autocommit is switched on; each email's
         record and suppression is one transaction, so a crash loses at most the email in flight).
     :param client: the paced Resend client (``ResendHook(...).get_conn()``).
     :param lookback: only emails sent within this span before the database's now() (UTC).
-    :param min_age: an email is first checked this long after it was sent (bounces take a moment).
+    :param min_age: an email is first asked about this long after it was sent (webhooks come first).
     :param recheck_after: a non-final answer is asked again after this, doubling per check.
     :param max_checks: polls per email at most (then its last answer stands).
-    :param limit: emails per run at most (requests: about one each, more with retries).
+    :param limit: emails per run at most.
     :param budget_seconds: no request starts after this many seconds (monotonic).
+    :param max_requests: requests per run at most, retries included (:func:`request_budget`; None:
+        ``limit`` bounds it alone). The emails selected are at most this many too.
     :param run: the Airflow run, recorded on the decisions' send events.
     :returns: the run's :class:`FeedbackSummary`.
     :raises FeedbackError: on 401/403 (after recording what was checked before).
-    :raises ValueError: for a non-positive limit or max_checks.
+    :raises ValueError: for a non-positive limit or max_checks, or a negative max_requests.
     """
-    if limit < 1 or max_checks < 1:
-        raise ValueError(f"limit and max_checks must be >= 1, got {limit} and {max_checks}")
+    if limit < 1 or max_checks < 1 or (max_requests is not None and max_requests < 0):
+        raise ValueError(f"limit and max_checks must be >= 1 and max_requests >= 0, got {limit}, {max_checks}, "
+                         f"{max_requests}")
     if not conn.autocommit:
         conn.autocommit = True
     deadline = client.clock.monotonic() + budget_seconds
-    summary = FeedbackSummary()
-    reader = PacedReader(client)
+    summary = FeedbackSummary(request_budget=max_requests)
+    reader = PacedReader(client, max_requests)
+    if max_requests == 0:
+        summary.stopped = "request budget (0 requests) spent"
+        return summary
     with conn.transaction():
         due = conn.execute(query("feedback", "due_checks"), {
             "lookback_seconds": lookback.total_seconds(), "min_age_seconds": min_age.total_seconds(),
-            "recheck_seconds": recheck_after.total_seconds(), "max_checks": max_checks, "limit": limit,
+            "recheck_seconds": recheck_after.total_seconds(), "max_checks": max_checks,
+            "limit": min(limit, max_requests) if max_requests is not None else limit,
         }).fetchall()
     summary.due = len(due)
     consecutive_errors = 0
+    campaigns: set[str] = set()
     try:
-        for send_log_id, email, provider_id, _checks in due:
+        for send_log_id, email, provider_id, _checks, campaign, user_id in due:
             answer = reader.get_email(str(provider_id), deadline)
             if answer.kind == "stop":
                 summary.stopped = answer.reason
@@ -250,76 +276,37 @@ def poll_feedback(conn: psycopg.Connection, client: ResendClient, *, lookback: t
             event = "not_found" if answer.kind == "not_found" else str(body.get("last_event") or "unknown")
             if answer.kind == "ok" and not recipient_matches(body.get("to"), str(email)):
                 event = MISMATCH  # never act on what may be another person's email
-            _record(conn, summary, int(send_log_id), str(email), str(provider_id), event, run or RunContext(),
-                    reported=str(body.get("last_event") or ""))
+            row = SentEmail(int(send_log_id), str(provider_id), str(email), str(campaign), user_id, "sent")
+            _record(conn, summary, row, event, run or RunContext(), reported=str(body.get("last_event") or ""),
+                    to=body.get("to"), campaigns=campaigns)
     finally:
         summary.requests = reader.requests
+        summary.campaigns = sorted(campaigns)
         log.info("deliverability feedback: %s", summary.as_dict())
+    if campaigns:
+        with conn.transaction():
+            guard_reputation(conn, campaigns)
     return summary
 
 
-def _suppress_unkeyable(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int, email: str,
-                        provider_id: str, event: str, source: str) -> str:
-    """Suppress the user of a row whose address has no mailbox key (in the caller's transaction);
-    returns the decision recorded on the row's event."""
-    from mailflow.store.send_log import mask_email
-
-    why = check_address(email).error or "not a valid address"
-    row = conn.execute(query("feedback", "user_of_row"), {"id": send_log_id}).fetchone()
-    user_id = row[0] if row is not None else None
-    if user_id is None:
-        summary.alerts.append(f"send_log.id={send_log_id} to={mask_email(email)} provider id={provider_id}: "
-                              f"last_event {event}, address has no mailbox key and the row no user")
-        return (f"feedback: last_event {event}; the address has no mailbox key ({why}) and the row no user: "
-                "nobody suppressed, a person must suppress it")
-    new = suppress_user(conn, int(user_id), source=source, reason=(
-        f"provider last_event {event} (send_log {send_log_id}, email {provider_id}); the address has no "
-        f"mailbox key ({why})"))
-    if new:
-        summary.suppressed += 1
-    else:
-        summary.already_suppressed += 1
-    log.warning("email %s (send_log %s): last_event %s for an address with no mailbox key (%s): user %s %s",
-                provider_id, send_log_id, event, why, user_id, "suppressed" if new else "already suppressed")
-    return (f"feedback: last_event {event}; the address has no mailbox key ({why}): "
-            f"user {user_id} {'suppressed for all mail' if new else 'already suppressed'} (source {source})")
-
-
-def _record(conn: psycopg.Connection, summary: FeedbackSummary, send_log_id: int, email: str, provider_id: str,
-            event: str, run: RunContext, reported: str = "") -> None:
-    from mailflow.store.send_log import mask_email
-
-    decision: str | None = None
+def _record(conn: psycopg.Connection, summary: FeedbackSummary, row: SentEmail, event: str, run: RunContext,
+            reported: str = "", to: Any = None, campaigns: set[str] | None = None) -> None:
+    """Record one answer (delivery_status's poll columns) and apply it as a report, in one transaction."""
+    what = reported if event == MISMATCH else event
     with conn.transaction():
         conn.execute(query("feedback", "record_check"), {
-            "id": send_log_id, "pid": provider_id, "event": event, "final": event in FINAL_EVENTS})
-        source = SUPPRESSING_EVENTS.get(event)
-        if source is not None and mailbox_key(email) is None:
-            # an address the validator rejects today (stored by an older worker or validator) has
-            # no mailbox key to suppress: its user is suppressed instead, never the poll aborted
-            decision = _suppress_unkeyable(conn, summary, send_log_id, email, provider_id, event, source)
-        elif source is not None:
-            new = suppress_address(conn, email, source=source,
-                                   reason=f"provider last_event {event} (send_log {send_log_id}, email {provider_id})")
-            if not new:
-                summary.already_suppressed += 1
-                decision = f"feedback: last_event {event}; address already suppressed"
-            else:
-                summary.suppressed += 1
-                decision = f"feedback: last_event {event}; address suppressed for all mail (source {source})"
-        elif event == MISMATCH:
-            decision = (f"feedback: provider email {provider_id} is addressed to someone else (last_event "
-                        f"{reported or 'unknown'}); nobody suppressed, a person must check the provider ids")
-        elif event == "failed":
-            decision = "feedback: last_event failed (the provider did not send it); address not suppressed"
-        if decision is not None:
-            conn.execute(query("feedback", "record_decision"), {
-                "id": send_log_id, "pid": provider_id, "decision": decision,
-                "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
-    if event in (MISMATCH, "failed"):
-        summary.alerts.append(f"send_log.id={send_log_id} to={mask_email(email)} provider id={provider_id}: "
-                              f"{decision}")
-        log.warning("email %s (send_log %s): %s", provider_id, send_log_id, decision)
+            "id": row.id, "pid": row.provider_message_id, "event": event, "final": event in FINAL_EVENTS})
+        if event == MISMATCH or (what in EVENTS and what != "sent"):  # "sent": the send log knows it already
+            # a mismatch goes through the same code (nothing applied to the row; the provider's recipient
+            # suppressed if the event calls for it); an event we do not track stands in as "sent"
+            report = Report(row.provider_message_id, what if what in EVENTS else "sent", to, "poll",
+                            f"last_event {what or 'unknown'}")
+            applied = apply_reports(conn, [report], rows={row.provider_message_id: row}, run=run)
+            summary.suppressed += applied.suppressed
+            summary.already_suppressed += applied.already_suppressed
+            summary.alerts += applied.alerts
+            if campaigns is not None:
+                campaigns |= applied.campaigns
     summary.checked += 1
     summary.events[event] = summary.events.get(event, 0) + 1
     if event == "bounced":

@@ -140,21 +140,28 @@ def test_bounces_and_complaints_are_suppressed_exactly_once_and_excluded_from_th
     assert to == ["user1@example.com", "user4@example.com", "user5@example.com"]
 
 
-def test_re_polling_is_bounded_and_a_late_complaint_is_still_caught(rig: Rig) -> None:
+def test_re_polling_is_bounded_and_stops_once_an_email_has_an_outcome(rig: Rig) -> None:
     rig.users({1: "user1@example.com", 2: "user2@example.com"})
     rig.send("feedback_a")
     assert rig.poll().events == {"delivered": 2}
-
-    rig.emulator.configure(complain=["user1@example.com"])  # a complaint arrives hours later
+    # delivered is an outcome: the safety net does not ask again (a later complaint comes by webhook)
+    assert rig.poll(recheck_after=timedelta(0)).due == 0
+    # an email whose answer carried no outcome ("sent": still on its way) is asked again, at most max_checks times
+    rig.db.execute("update mail.delivery_status set last_event = 'sent', outcome = null, delivered_at = null"
+                   " where send_log_id = (select id from mail.send_log where user_id = 2)")
+    rig.emulator.configure(complain=["user2@example.com"])  # a complaint arrives hours later
     second = rig.poll(recheck_after=timedelta(0))
-    assert (second.due, second.complained, second.suppressed) == (2, 1, 1)
-    assert rig.suppressions() == [(None, "user1@example.com", "all", "complaint")]
-    assert rig.statuses() == {"user1@example.com": ("complained", True, 2), "user2@example.com": ("delivered", False, 2)}
+    assert (second.due, second.complained, second.suppressed) == (1, 1, 1)
+    assert rig.suppressions() == [(None, "user2@example.com", "all", "complaint")]
+    assert rig.statuses() == {"user1@example.com": ("delivered", False, 1), "user2@example.com": ("complained", True, 2)}
+    assert rig.poll(recheck_after=timedelta(0)).due == 0
 
+    rig.db.execute("update mail.delivery_status set last_event = 'sent', outcome = null, final = false")
     third = rig.poll(recheck_after=timedelta(0), max_checks=3)
-    assert (third.due, third.checked, third.suppressed) == (1, 1, 0)  # the final one is not asked again
-    assert rig.poll(recheck_after=timedelta(0), max_checks=3).due == 0  # max_checks reached
-    assert rig.statuses()["user2@example.com"] == ("delivered", False, 3)
+    assert (third.due, third.checked, third.suppressed, third.already_suppressed) == (2, 2, 0, 1)
+    rig.db.execute("update mail.delivery_status set outcome = null")
+    assert rig.poll(recheck_after=timedelta(0), max_checks=3).due == 1  # user 1: 2 checks; user 2: final
+    assert rig.poll(recheck_after=timedelta(0), max_checks=3).due == 0
 
 
 def test_an_email_the_provider_no_longer_knows_is_final_and_suppresses_nothing(rig: Rig) -> None:
@@ -195,7 +202,8 @@ def events_of(rig: Rig) -> list[tuple[Any, ...]]:
                           " where e.error like 'feedback:%' order by e.id").fetchall()
 
 
-def test_a_recipient_mismatch_suppresses_nobody_and_alerts(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_recipient_mismatch_suppresses_only_the_providers_recipient_and_alerts(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     rig.users({1: "user1@example.com", 2: "user2@example.com"})
     rig.emulator.configure(bounce=["user2@example.com"])
     rig.send("feedback_a")
@@ -206,14 +214,18 @@ def test_a_recipient_mismatch_suppresses_nobody_and_alerts(rig: Rig, caplog: pyt
     rig.db.execute("update mail.send_log set provider_message_id = %s where user_id = 1", (ids[2],))
 
     s = rig.poll(run=RunContext(dag_id="deliverability_feedback", run_id="r1", task_id="poll_feedback"))
-    assert (s.checked, s.mismatched, s.suppressed, s.bounced, s.errors) == (2, 2, 0, 0, 0)
+    assert (s.checked, s.mismatched, s.suppressed, s.bounced, s.errors) == (2, 2, 1, 0, 0)
     assert s.events == {"recipient_mismatch": 2}
-    assert rig.suppressions() == []  # user1 would have been suppressed for user2's bounce
+    # user2 really bounced (the provider's `to`): user2 is suppressed; user1, whose row has the id, is not
+    assert rig.suppressions() == [(None, "user2@example.com", "all", "bounce")]
     assert rig.statuses() == {"user1@example.com": ("recipient_mismatch", True, 1),
                               "user2@example.com": ("recipient_mismatch", True, 1)}
+    assert rig.db.execute("select count(*), count(outcome) from mail.delivery_status").fetchone() == (2, 0)
+    assert rig.db.execute("select count(*) from mail.delivery_event").fetchone() == (0,)
     assert events_of(rig) == [
         ("user1@example.com", "sent", "sent", f"feedback: provider email {ids[2]} is addressed to someone else "
-         "(last_event bounced); nobody suppressed, a person must check the provider ids", True,
+         "(last_event bounced); the provider's recipient u***@example.com suppressed for all mail (source bounce); "
+         "nothing applied to this row, a person must check the provider ids", True,
          "deliverability_feedback", "r1", "poll_feedback"),
         ("user2@example.com", "sent", "sent", f"feedback: provider email {ids[1]} is addressed to someone else "
          "(last_event delivered); nobody suppressed, a person must check the provider ids", True,
@@ -321,8 +333,8 @@ def test_an_address_without_a_mailbox_key_suppresses_its_user_and_the_poll_goes_
     [row2] = rig.db.execute("select id from mail.send_log where user_id = 2").fetchone() or [None]
     assert reason.startswith(f"provider last_event bounced (send_log {row2}, email {pids[2]}); the address has no "
                              "mailbox key (")
-    # a second poll of the same row (rechecks due at once) decides the same, as already suppressed
-    rig.db.execute("update mail.delivery_status set final = false")
+    # a second poll of the same rows (rechecks due at once) decides the same, as already suppressed
+    rig.db.execute("update mail.delivery_status set final = false, outcome = null")
     again = rig.poll(client, recheck_after=timedelta(0))
     assert (again.checked, again.suppressed, again.already_suppressed, again.errors) == (3, 0, 2, 0)
     # the next run mails neither user 2 (suppressed by user) nor user 3 (by address)
