@@ -70,12 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an email's events happen within this many seconds of the send")
     # webhooks
     p.add_argument("--webhook-url", default="", help="an endpoint registered without an API call")
-    p.add_argument("--webhook-secret", action="append", default=[], dest="webhook_secrets",
+    p.add_argument("--webhook-secret", "--webhook-secrets", action="append", default=[], dest="webhook_secrets",
                    help="its signing secret whsec_<base64> (repeatable: all are signed for, rotation)")
-    p.add_argument("--webhook-event", action="append", default=[], dest="webhook_events",
+    p.add_argument("--webhook-event", "--webhook-events", action="append", default=[], dest="webhook_events",
                    help="an event type it subscribes to (repeatable; default every email event)")
-    p.add_argument("--webhook-retry-schedule", default=None,
-                   help="comma-separated seconds before each attempt (default Svix's: 0,5,300,1800,7200,...)")
+    p.add_argument("--webhook-retry-schedule", action="append", default=[],
+                   help="seconds before each attempt, comma-separated or repeated (default Svix's: "
+                        "0,5,300,1800,7200,18000,36000,36000)")
     p.add_argument("--webhook-time-scale", type=float, default=1.0, help="multiplies the retry schedule")
     p.add_argument("--webhook-timeout-seconds", type=float, default=15.0, help="per attempt")
     p.add_argument("--webhook-concurrency", type=int, default=64, help="attempts in flight (connections)")
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         webhook_future_rate=args.webhook_future_rate,
     )
     if args.webhook_retry_schedule:
-        config.webhook_retry_schedule = tuple(float(x) for x in args.webhook_retry_schedule.split(","))
+        config.webhook_retry_schedule = tuple(float(x) for item in args.webhook_retry_schedule
+                                              for x in item.split(",") if x.strip())
     try:  # the same checks as a runtime update (secrets, URL, rates)
         coerce_update(config, {k: v for k, v in config.public().items()
                                if k.startswith(("webhook_", "soft_bounce", "hard_bounce", "failed_rate"))
