@@ -7,8 +7,10 @@ future timestamps) to a standalone receiver process (``python -m mailflow.feedba
 deployed). Emails are sent through the emulator's batch API with their send-log rows (``sending``
 first, the provider ids stored by index after the answer, as the engine does: a webhook can arrive
 before its email's id is known), spread over the kill phase, while the receiver is SIGKILLed at
-random moments under load, stays down a moment (once for 4 s: the provider meets refused
-connections and retries) and restarts on the same port, ``--kills`` times.
+random moments under load, stays down a moment (the provider meets refused connections and
+retries) and restarts on the same port, ``--kills`` times. One of the kills is an outage longer than
+the provider retries (4 s during which a message is given up after its third failed attempt): what
+it loses, only the safety-net poll can recover.
 
 The outcomes come from address rules (8% permanent bounces, 3% complaints, 6% transient bounces, 5%
 delayed then delivered, 3% failed; opens and clicks by seeded rates), so the addresses that must be

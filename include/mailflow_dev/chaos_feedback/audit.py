@@ -54,6 +54,10 @@ def audit(conn: psycopg.Connection, messages: list[dict[str, Any]], truth: dict[
         "select d.id, d.provider_message_id, l.provider_message_id, l.email, d.event, d.source"
         " from mail.delivery_event d join mail.send_log l on l.id = d.send_log_id").fetchall()
     wrong_email = [r for r in rows if r[1] != r[2] or (truth.get(r[1]) or "").lower() != r[3].lower()]
+    by_key: dict[str, list[str]] = {}
+    for m in genuine.values():
+        key = (truth.get(m["email_id"]) or "").lower()
+        by_key.setdefault(key, []).append(f"{m['type'].removeprefix('email.')}:{m['final']}")
     attacks = [m for m in messages if m["kind"] in ("forged", "stale", "future") and m["final"] == "acknowledged"]
     kinds: dict[str, dict[str, int]] = {}
     for m in messages:
@@ -66,11 +70,13 @@ def audit(conn: psycopg.Connection, messages: list[dict[str, Any]], truth: dict[
     return {
         "acknowledged_lost": len(lost), "wrong_suppressions": len(wrong_supp), "missed_suppressions": len(missed),
         "wrong_email": len(wrong_email), "attacks_acknowledged": len(attacks),
-        "examples": {"lost": lost[:5], "wrong_suppressions": wrong_supp[:5], "missed": missed[:5],
+        "examples": {"lost": lost[:5], "wrong_suppressions": wrong_supp[:5],
+                     "missed": {k: sorted(by_key.get(k, [])) for k in missed[:10]},
                      "wrong_email": [list(map(str, r)) for r in wrong_email[:5]],
                      "attacks": [(m["kind"], m["svix_id"]) for m in attacks[:5]]},
         "messages_by_kind_and_final": kinds,
         "genuine_attempt_statuses": attempt_statuses,
+        "given_up_by_type": _count(m["type"] for m in genuine.values() if m["final"] == "given_up"),
         "acknowledged": len(acked), "stored": len(stored), "expected_suppressions": len(expected),
         "suppressed": len(suppressed_keys) + len(suppressed_users),
         "decisions": dict(conn.execute("select coalesce(decision, '(pending)'), count(*) from mail.webhook_event"
@@ -80,3 +86,10 @@ def audit(conn: psycopg.Connection, messages: list[dict[str, Any]], truth: dict[
         "delivery_events_by_source": dict(conn.execute(
             "select source, count(*) from mail.delivery_event group by 1 order by 1").fetchall()),
     }
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items()))

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import psycopg
 
+from mailflow.emulator.config import SVIX_RETRY_SCHEDULE
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.store.migrate import migrate
 from mailflow.store.policy import mailbox_key
@@ -188,18 +189,24 @@ def safety_net(dsn: str, base_url: str) -> dict[str, Any]:
 
 def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, seed: int = 7,
                        send_seconds: float | None = None, drain_seconds: float = 240.0,
+                       time_scale: float = TIME_SCALE, outage_seconds: float = 4.0,
                        out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the feedback chaos on a scratch database of the server ``admin_dsn`` (created and
     dropped here); return the report (``invariants``: acknowledged_lost, wrong_suppressions,
     missed_suppressions, wrong_email, attacks_acknowledged; each must be 0).
 
     :param kills: SIGKILLs of the receiver, at random moments while emails are sent and webhooks
-        pushed; after each the receiver stays down a random 0-1 s (one of them 4 s: the provider
-        meets refused connections and retries), then restarts on the same port.
+        pushed; after each the receiver stays down a random 0-1 s (the provider meets refused
+        connections and retries), then restarts on the same port.
     :param emails: emails sent (one per address) through the emulator's batch API, spread over the
         kill phase (``send_seconds``, default about 2.5 s per kill).
     :param drain_seconds: how long to wait after the kills for every webhook to be acknowledged or
-        given up (the retry schedule runs :data:`TIME_SCALE` times Svix's).
+        given up.
+    :param time_scale: the retry schedule runs this many times Svix's (:data:`TIME_SCALE`).
+    :param outage_seconds: one of the kills is an outage longer than the provider retries: while
+        the receiver is down (this long; 0: no such outage) the provider gives a message up after its
+        third failed attempt (the schedule cut to ``0, 5 s, 5 min`` scaled), so the events of that
+        window are lost to the webhooks and only the safety-net poll can recover them.
     """
     from mailflow_dev import devenv
 
@@ -218,8 +225,10 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
         rx = ReceiverProcess(dsn, [secret], workdir / "receiver.log")
         with EmulatorProcess(outbox=workdir / "outbox.jsonl", rate_limit=0, seed=seed) as emu:
             emu.configure(**rules, open_rate=0.4, click_rate=0.1, event_spread_seconds=2.0,
-                          webhook_url=rx.url, webhook_secrets=[secret], webhook_time_scale=TIME_SCALE, **FAULTS)
+                          webhook_url=rx.url, webhook_secrets=[secret], webhook_time_scale=time_scale, **FAULTS)
             rx.start()
+            phases = {"setup": round(time.monotonic() - t0, 1)}
+            mark = time.monotonic()
             seconds = send_seconds if send_seconds is not None else max(5.0, 2.5 * kills)
             sender = Sender(dsn, emu.base_url, addrs, seconds)
             sender.start()
@@ -228,8 +237,13 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
                 time.sleep(rng.uniform(0.1, 1.5))  # under load: webhooks arrive all the time
                 if rx.kill():
                     report.kills += 1
-                down = 4.0 if k == long_down else rng.uniform(0.0, 1.0)
+                outage = k == long_down and outage_seconds > 0
+                down = outage_seconds if outage else rng.uniform(0.0, 1.0)
+                if outage:
+                    emu.configure(webhook_retry_schedule=list(SVIX_RETRY_SCHEDULE[:3]))
                 time.sleep(down)
+                if outage:
+                    emu.configure(webhook_retry_schedule=list(SVIX_RETRY_SCHEDULE))
                 report.down_seconds += down
                 rx.start()
                 report.restarts += 1
@@ -238,16 +252,22 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
                 raise RuntimeError(f"the sender failed: {sender.error!r}")
             out(f"  kills done: {report.kills} kills, {sender.sent} emails sent, "
                 f"{time.monotonic() - t0:.0f} s; draining webhooks")
+            phases["kills"] = round(time.monotonic() - mark, 1)
+            mark = time.monotonic()
             totals = _drain(emu, drain_seconds)
             report.info["webhooks"] = totals
+            phases["drain"] = round(time.monotonic() - mark, 1)
+            mark = time.monotonic()
             messages = _messages(emu)
             truth = {line["id"]: line["to"][0] for line in emu.read_outbox()}
             report.info["sweep"] = sweep(dsn)
             report.info["poll"] = safety_net(dsn, emu.base_url)
+            phases["sweep_and_poll"] = round(time.monotonic() - mark, 1)
             sent = set(truth.values())
             expected = {mailbox_key(a) for a in rules["bounce"] + rules["complain"] if a in sent}
             with psycopg.connect(dsn, autocommit=True) as conn:
                 result = audit(conn, messages, truth, expected)
+            report.info["phase_seconds"] = phases
         report.invariants = {k: result.pop(k) for k in COLUMNS}
         report.info |= result
         report.info["rules"] = {k: len(v) for k, v in rules.items()}
