@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=30, help="SIGKILLs of the receiver (default 30)")
     p.add_argument("--emails", type=int, default=3000, help="emails sent, one per address (default 3000)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--outage", choices=("random", "clean", "none"), default="random",
+                   help="the outage longer than the provider retries: at a random moment (default), after "
+                        "every pending message was acknowledged (clean), or none")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON too")
     p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"),
                    help="maintenance DSN of a server to create a scratch database on "
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     admin = args.dsn or devenv.embedded_dsn(pgdata)
     try:
         report = run_feedback_chaos(admin, kills=args.kills, emails=args.emails, seed=args.seed,
-                                    out=lambda s: print(s, flush=True))
+                                    outage=args.outage, out=lambda s: print(s, flush=True))
     finally:
         if started:
             devenv.stop_embedded(pgdata)
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['down_seconds']:.1f} s in all; webhooks {info.get('messages_by_kind_and_final')}; genuine "
           f"attempts {info.get('genuine_attempt_statuses')}; suppressed {info.get('suppressed')} of "
           f"{info.get('expected_suppressions')} expected; wall time {report['seconds']} s")
+    if report["invariants"]["missed_suppressions"]:
+        print(f"missed suppressions: {info.get('missed_reasons')}; examples {info['examples']['missed']}")
     bad = failed(report)
     print("invariants: " + ("ALL 0" if not bad else "VIOLATED: " + "; ".join(bad)))
     return 1 if bad else 0

@@ -76,6 +76,7 @@ def audit(conn: psycopg.Connection, messages: list[dict[str, Any]], truth: dict[
                      "attacks": [(m["kind"], m["svix_id"]) for m in attacks[:5]]},
         "messages_by_kind_and_final": kinds,
         "genuine_attempt_statuses": attempt_statuses,
+        "missed_reasons": _count(_why_missed(by_key.get(k, [])) for k in missed),
         "given_up_by_type": _count(m["type"] for m in genuine.values() if m["final"] == "given_up"),
         "acknowledged": len(acked), "stored": len(stored), "expected_suppressions": len(expected),
         "suppressed": len(suppressed_keys) + len(suppressed_users),
@@ -93,3 +94,14 @@ def _count(items: Any) -> dict[str, int]:
     for x in items:
         out[x] = out.get(x, 0) + 1
     return dict(sorted(out.items()))
+
+
+def _why_missed(history: list[str]) -> str:
+    """Why a suppression was missed, from the email's messages (``type:final``)."""
+    lost = [h for h in history if h in ("complained:given_up", "bounced:given_up")]
+    if lost and "delivered:acknowledged" in history:
+        return ("its complaint or bounce was given up by the provider after the email already had an outcome "
+                "(the safety-net poll asks only about emails without one)")
+    if lost:
+        return "its complaint or bounce was given up by the provider and the poll did not recover it"
+    return "its complaint or bounce was acknowledged or pending (a receiver or apply fault)"

@@ -89,6 +89,8 @@ class Sender(threading.Thread):
         self.dsn, self.base_url, self.addrs, self.seconds = dsn, base_url, addrs, seconds
         self.sent = 0
         self.error: BaseException | None = None
+        self.running = threading.Event()  # cleared: the sender waits before its next batch
+        self.running.set()
 
     def run(self) -> None:
         try:
@@ -104,6 +106,7 @@ class Sender(threading.Thread):
                              timeout=30.0) as http:
             t0 = time.monotonic()
             for n, batch in enumerate(batches):
+                self.running.wait()
                 key = f"chaos-feedback-{uuid.uuid4().hex}"
                 with conn.transaction():
                     ids = [r[0] for r in conn.execute(
@@ -189,7 +192,7 @@ def safety_net(dsn: str, base_url: str) -> dict[str, Any]:
 
 def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, seed: int = 7,
                        send_seconds: float | None = None, drain_seconds: float = 240.0,
-                       time_scale: float = TIME_SCALE, outage_seconds: float = 4.0,
+                       time_scale: float = TIME_SCALE, outage_seconds: float = 4.0, outage: str = "random",
                        out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the feedback chaos on a scratch database of the server ``admin_dsn`` (created and
     dropped here); return the report (``invariants``: acknowledged_lost, wrong_suppressions,
@@ -207,6 +210,12 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
         the receiver is down (this long; 0: no such outage) the provider gives a message up after its
         third failed attempt (the schedule cut to ``0, 5 s, 5 min`` scaled), so the events of that
         window are lost to the webhooks and only the safety-net poll can recover them.
+    :param outage: ``random``: that outage starts at a random moment like the other kills, so an email
+        whose ``delivered`` was acknowledged just before may lose its later complaint to it (the
+        safety-net poll only asks about emails without an outcome: such a complaint is a missed
+        suppression); ``clean``: sending pauses and every pending message is acknowledged first, so
+        the outage loses whole lifecycles only (emails sent during it), which the poll must recover
+        entirely; ``none``: no such outage.
     """
     from mailflow_dev import devenv
 
@@ -235,14 +244,19 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
             long_down = rng.randrange(kills) if kills else -1
             for k in range(kills):
                 time.sleep(rng.uniform(0.1, 1.5))  # under load: webhooks arrive all the time
+                long_outage = k == long_down and outage_seconds > 0 and outage != "none"
+                if long_outage and outage == "clean":
+                    sender.running.clear()
+                    time.sleep(1.0)  # the batch in flight is answered
+                    _drain(emu, drain_seconds)
+                if long_outage:  # from now on the provider gives up after 3 failed attempts
+                    emu.configure(webhook_retry_schedule=list(SVIX_RETRY_SCHEDULE[:3]))
                 if rx.kill():
                     report.kills += 1
-                outage = k == long_down and outage_seconds > 0
-                down = outage_seconds if outage else rng.uniform(0.0, 1.0)
-                if outage:
-                    emu.configure(webhook_retry_schedule=list(SVIX_RETRY_SCHEDULE[:3]))
+                sender.running.set()
+                down = outage_seconds if long_outage else rng.uniform(0.0, 1.0)
                 time.sleep(down)
-                if outage:
+                if long_outage:
                     emu.configure(webhook_retry_schedule=list(SVIX_RETRY_SCHEDULE))
                 report.down_seconds += down
                 rx.start()

@@ -1,7 +1,8 @@
 """The short feedback chaos run (``make chaos`` runs the long one): a real emulator pushing signed
 webhooks with every fault on, a real standalone receiver process SIGKILLed three times under load
-(once for an outage longer than the provider retries), the sweep and the safety-net poll, and the
-audit's invariants, each exactly 0."""
+(once for an outage longer than the provider retries, taken after every pending message was
+acknowledged: it loses whole lifecycles, which the safety-net poll must recover), the sweep and the
+safety-net poll, and the audit's invariants, each exactly 0."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def test_chaos_feedback_short(pg_admin_dsn: str) -> None:
     from mailflow_dev.chaos_feedback import COLUMNS, failed, run_feedback_chaos, table
 
     report = run_feedback_chaos(pg_admin_dsn, kills=3, emails=400, seed=11, send_seconds=8.0, time_scale=0.0005,
-                                outage_seconds=2.0, out=lambda *_: None)
+                                outage_seconds=2.0, outage="clean", out=lambda *_: None)
     print(table(report))
     info = report["info"]
     assert (report["kills"], report["kills_requested"], report["restarts"]) == (3, 3, 3)
