@@ -1,30 +1,28 @@
 """
 ### deliverability_feedback
 
-Every 30 minutes, ask the email API what became of recent sends (`GET /emails/{id}` ->
-`last_event`) and stop all further mail to addresses that **hard-bounced** (`bounced`),
-**complained** (marked as spam) or are on the provider's suppression list (`suppressed`): each
-becomes a row of `mail.suppression` (scope `all`, source `bounce` / `complaint` /
-`provider_suppressed`), which the lifecycle audiences and the scheduled dispatcher honour.
+Outcomes (delivered, bounced, complained, opened, ...) arrive as signed webhooks at the receiver
+(`/mailflow-webhooks/resend` in the API server, or `python -m mailflow.feedback.webhooks`; docs/feedback.md),
+which stores and applies them at once: hard bounces and complaints are suppressed within seconds. Every
+30 minutes this DAG does what the receiver cannot do alone:
 
-* Which emails: `sent` rows of the last `lookback_hours`, first checked `min_age_minutes` after
-  sending, re-checked after `recheck_after_minutes` (doubling each time) at most
-  `max_checks_per_email` times, never again after a final event. What was seen is recorded in
-  `mail.delivery_status`, so nothing is polled forever.
-* Bounded: at most `max_emails_per_run` requests (plus retries) and `time_budget_seconds`; the GETs
-  claim slots of the same shared pacer as the sends, so feedback never pushes senders over the
-  provider's rate limit (it just takes its share of it).
-* Safe to retry or re-run: suppressions are `ON CONFLICT DO NOTHING`, each email's record is one
-  transaction.
-* Webhooks (`email.bounced`, `email.complained`) are the push alternative: see docs/unsubscribe.md.
-* Recipient check: the provider's `to` must be the send log's address (normalised); on a mismatch
-  nobody is suppressed and the run alerts. `suppressed` (Resend's own suppression list) suppresses
-  the address too; `failed` alerts. Every decision is an event of the email (`mail.send_event`).
-* **Needs a full-access API key.** It reads emails (`GET /emails/{id}`), which a sending-only key
-  may not (401 `restricted_api_key`: the task fails saying so). Keep the senders on a sending-only
-  key and give this DAG its own connection: set `MAILFLOW_FEEDBACK_CONN_ID` (e.g.
-  `resend_full_access`, a `resend` connection with a full-access key); default `resend_default`.
-* Connections: `send_log_db`, `MAILFLOW_FEEDBACK_CONN_ID` (default `resend_default`). Pool `email_provider`.
+* `apply_pending`: webhook events whose email id was not in the send log yet when they arrived are
+  applied now (the receiver also sweeps every few seconds); after `give_up_hours` an event whose email is
+  never found is decided `unknown_email`. The reputation guard evaluates the campaigns that got outcomes.
+* `alert_webhook_decisions`: one alert for new recipient mismatches (applied to nobody's row; the
+  provider's own recipient is suppressed for a hard bounce or complaint), provider failures (`failed`:
+  never suppressed) and unknown emails (`mail.webhook_event.alerted_at`).
+* `poll_feedback`, the **safety net**: `GET /emails/{id}` for `sent` emails of the last `lookback_hours`
+  that still have **no outcome** `min_age_minutes` after sending (the receiver was down longer than the
+  provider retries, or no endpoint is registered). Bounded by `max_emails_per_run`, `time_budget_seconds`
+  and, off the critical rate path, `rate_share` of the account's rate limit between two runs (default 1%:
+  180 requests per run at 10 requests/s). Answers go through the same code as the webhooks (the same
+  outcome, suppression, recipient check and `mail.send_event` decision records).
+* **The poll needs a full-access API key** (`GET /emails/{id}`; a sending-only key gets 401
+  `restricted_api_key`: the task fails saying so). Set `MAILFLOW_FEEDBACK_CONN_ID` to a `resend`
+  connection with a full-access key; default `resend_default`.
+* Connections: `send_log_db`, `MAILFLOW_FEEDBACK_CONN_ID` (default `resend_default`). Pool `email_provider`
+  (the poll only).
 """
 
 from datetime import timedelta
@@ -49,26 +47,52 @@ with DAG(
     doc_md=__doc__,
     params={
         "lookback_hours": Param(48, type="integer", minimum=1, maximum=24 * 14,
-                                description="Check emails sent within this many hours."),
-        "min_age_minutes": Param(5, type="integer", minimum=0, maximum=24 * 60,
-                                 description="First check an email this long after it was sent."),
+                                description="Poll emails sent within this many hours."),
+        "min_age_minutes": Param(60, type="integer", minimum=0, maximum=24 * 60,
+                                 description="Poll an email without an outcome this long after it was sent "
+                                             "(webhooks come first)."),
         "recheck_after_minutes": Param(120, type="integer", minimum=1, maximum=7 * 24 * 60,
                                        description="Ask again after this long, doubling per check."),
         "max_checks_per_email": Param(4, type="integer", minimum=1, maximum=20,
                                       description="Polls per email at most."),
         "max_emails_per_run": Param(500, type="integer", minimum=1, maximum=20000,
-                                    description="Emails checked per run at most (about one request each)."),
+                                    description="Emails polled per run at most."),
+        "rate_share": Param(0.01, type="number", minimum=0, maximum=0.2,
+                            description="Share of the account's rate limit one poll run may spend (requests per "
+                                        "run <= share x requests/s x seconds between runs)."),
         "time_budget_seconds": Param(600, type="integer", minimum=10, maximum=max_budget_seconds(POLL_TIMEOUT),
                                      description=budget_description("No request starts after this many seconds.",
                                                                     POLL_TIMEOUT)),
+        "sweep_limit": Param(5000, type="integer", minimum=1, maximum=1_000_000,
+                             description="Pending webhook events applied per run at most."),
+        "give_up_hours": Param(72, type="number", minimum=1, maximum=24 * 30,
+                               description="A webhook event whose email is never found in the send log is "
+                                           "decided unknown_email (and alerted) after this long."),
     },
 ) as dag:
 
-    @task(pool="email_provider", execution_timeout=POLL_TIMEOUT, outlets=[SEND_LOG])
+    @task(execution_timeout=timedelta(minutes=10), outlets=[SEND_LOG])
+    def apply_pending(**context) -> dict:
+        """Apply webhook events that arrived before their email id was stored; returns counts."""
+        from mailflow.orchestration.tasks import webhook_sweep_task
+
+        return webhook_sweep_task(context)
+
+    @task(execution_timeout=timedelta(minutes=5), trigger_rule="all_done")
+    def alert_webhook_decisions(**context) -> dict:
+        """Alert once for new webhook mismatches, failures and unknown emails."""
+        from mailflow.orchestration.tasks import webhook_alert_task
+
+        return webhook_alert_task(context)
+
+    # the safety net runs whatever became of the sweep
+    @task(pool="email_provider", execution_timeout=POLL_TIMEOUT, outlets=[SEND_LOG], trigger_rule="all_done")
     def poll_feedback(**context) -> dict:
-        """Check recent sends' status; suppress hard bounces and complaints; returns counts."""
+        """Safety net: poll sent emails without an outcome; suppress hard bounces and complaints; returns counts."""
         from mailflow.orchestration.tasks import feedback_task
 
         return feedback_task(context)
 
-    poll_feedback()
+    swept = apply_pending()
+    swept >> alert_webhook_decisions()
+    swept >> poll_feedback()

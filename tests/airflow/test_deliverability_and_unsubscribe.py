@@ -53,8 +53,12 @@ def test_deliverability_feedback_dag_shape(dagbag: Any) -> None:
                                                                         timedelta(minutes=2))
     assert task.execution_timeout == timedelta(minutes=25)
     assert [o.name for o in task.outlets] == [SEND_LOG.name]
-    assert dag.params.dump() == {"lookback_hours": 48, "min_age_minutes": 5, "recheck_after_minutes": 120,
-                                 "max_checks_per_email": 4, "max_emails_per_run": 500, "time_budget_seconds": 600}
+    assert dag.params.dump() == {"lookback_hours": 48, "min_age_minutes": 60, "recheck_after_minutes": 120,
+                                 "max_checks_per_email": 4, "max_emails_per_run": 500, "rate_share": 0.01,
+                                 "time_budget_seconds": 600, "sweep_limit": 5000, "give_up_hours": 72}
+    assert set(dag.task_ids) == {"apply_pending", "alert_webhook_decisions", "poll_feedback"}
+    assert dag.get_task("apply_pending").downstream_task_ids == {"alert_webhook_decisions", "poll_feedback"}
+    assert task.trigger_rule == "all_done"  # the safety net runs whatever became of the sweep
 
 
 @pytest.mark.airflow
@@ -88,6 +92,10 @@ def test_dag_test_suppresses_the_bounced_and_the_complained_address(
         "due": 3, "checked": 3, "bounced": 1, "complained": 1, "suppressed": 2, "errors": 0}
     assert db.execute("select email, scope, source from mail.suppression order by email").fetchall() == [
         ("dag1@example.com", "all", "bounce"), ("dag3@example.com", "all", "complaint")]
+    assert summary["request_budget"] == 900  # 1% of 50 requests/s over the 30-minute interval
+    assert dr.get_task_instance("apply_pending").state == "success"
+    assert dr.get_task_instance("alert_webhook_decisions").xcom_pull(task_ids="alert_webhook_decisions") == {
+        "alerted": 0}
 
 
 @pytest.mark.airflow
@@ -160,3 +168,41 @@ def test_dag_test_with_a_sending_only_key_fails_once_then_works_with_its_own_ful
     dr = dag.test(run_conf={"min_age_minutes": 0}, logical_date=datetime.now(UTC) + timedelta(seconds=1))
     assert dr.state == "success"
     assert db.execute("select email, source from mail.suppression").fetchall() == [("dag1@example.com", "bounce")]
+
+
+@pytest.mark.airflow
+def test_the_webhook_plugin_is_public_and_a_missing_connection_is_a_503(
+        airflow_db: Path, db: psycopg.Connection, db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from mailflow.feedback.webhook_verify import sign
+
+    for name in ("MAILFLOW_WEBHOOK_SECRETS", "AIRFLOW_CONN_MAIL_WEBHOOK", "MAILFLOW_WEBHOOK_DSN",
+                 "AIRFLOW_CONN_SEND_LOG_DB"):
+        monkeypatch.delenv(name, raising=False)
+    db.execute("truncate mail.webhook_event")
+    db.execute("insert into mail.send_log (user_id, campaign, email, email_key, status, sent_at, provider_message_id)"
+               " values (7, 'welcome', 'hook@example.com', 'hook@example.com', 'sent', now(), 'em_hook')")
+    from airflow.api_fastapi.app import create_app
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    body = json.dumps({"type": "email.complained", "created_at": "2026-03-02T09:00:00Z",
+                       "data": {"email_id": "em_hook", "to": ["hook@example.com"]}}).encode()
+
+    def headers() -> dict[str, str]:
+        ts = int(time.time())
+        return {"svix-id": "msg_plugin", "svix-timestamp": str(ts), "svix-signature": sign(secret, "msg_plugin", ts, body)}
+
+    app = create_app(apps="core")  # starts although neither the secrets nor the database are configured
+    with TestClient(app, raise_server_exceptions=False, follow_redirects=False) as c:
+        r = c.post("/mailflow-webhooks/resend", content=body, headers=headers())
+        assert r.status_code == 503 and r.headers["retry-after"] == "30"
+        monkeypatch.setenv("AIRFLOW_CONN_MAIL_WEBHOOK", json.dumps({"conn_type": "generic",
+                                                                    "password": f"{secret} whsec_b2xkLXNlY3JldA=="}))
+        monkeypatch.setenv("AIRFLOW_CONN_SEND_LOG_DB", devenv.airflow_conn_json(db_dsn))
+        r = c.post("/mailflow-webhooks/resend", content=body, headers=headers())  # no login: public
+        assert (r.status_code, r.json()) == (200, {"received": True, "decision": "applied"})
+        assert c.post("/mailflow-webhooks/resend", content=body, headers={**headers(), "svix-signature": "v1,AAAA"}
+                      ).status_code == 401
+    assert db.execute("select svix_id, decision from mail.webhook_event").fetchall() == [("msg_plugin", "applied")]
+    assert db.execute("select email, source from mail.suppression").fetchall() == [("hook@example.com", "complaint")]

@@ -15,7 +15,7 @@ import sys
 import uvicorn
 
 from mailflow.emulator.app import create_app
-from mailflow.emulator.config import EmulatorConfig, coerce_update
+from mailflow.emulator.config import RUNTIME_SETTINGS, EmulatorConfig, coerce_update
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "webhook_forged_rate", "webhook_stale_rate", "webhook_future_rate"):
         p.add_argument("--" + rate.replace("_", "-"), type=float, default=0.0, help="fraction in [0, 1]")
     p.add_argument("--webhook-delay-seconds", type=float, default=0.0)
+    p.add_argument("--webhook-log", default=None, help="JSON-lines file, one line per final message or copy")
+    p.add_argument("--webhook-records-max", type=int, default=0,
+                   help="messages kept in memory for the control view (the newest; 0 = all)")
     p.add_argument("--control", action=argparse.BooleanOptionalAction, default=False,
                    help="register the unauthenticated /_emulator/* control API")
     p.add_argument("--access-log", action="store_true")
@@ -124,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         webhook_reorder_rate=args.webhook_reorder_rate, webhook_delay_rate=args.webhook_delay_rate,
         webhook_delay_seconds=args.webhook_delay_seconds, webhook_drop_rate=args.webhook_drop_rate,
         webhook_forged_rate=args.webhook_forged_rate, webhook_stale_rate=args.webhook_stale_rate,
-        webhook_future_rate=args.webhook_future_rate,
+        webhook_future_rate=args.webhook_future_rate, webhook_log=args.webhook_log,
+        webhook_records_max=args.webhook_records_max,
     )
     if args.webhook_retry_schedule:
         config.webhook_retry_schedule = tuple(float(x) for item in args.webhook_retry_schedule
                                               for x in item.split(",") if x.strip())
     try:  # the same checks as a runtime update (secrets, URL, rates)
-        coerce_update(config, {k: v for k, v in config.public().items()
-                               if k.startswith(("webhook_", "soft_bounce", "hard_bounce", "failed_rate"))
-                               and k != "webhook_concurrency"})
+        coerce_update(config, {k: v for k, v in config.public().items() if k in RUNTIME_SETTINGS
+                               and k.startswith(("webhook_", "soft_bounce", "hard_bounce", "failed_rate"))})
     except ValueError as exc:
         build_parser().error(str(exc))
     app = create_app(config)

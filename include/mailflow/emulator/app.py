@@ -1,8 +1,11 @@
 """A Resend-compatible HTTP emulator: the test double, the demo's email API and the benchmark's provider.
 
 Built to ``/work/shared/reference/resend-openapi.yaml`` (POST /emails, POST /emails/batch, GET /emails,
-GET /emails/{id}, GET /domains) and to every point of ``resend-contract.md`` ("the contract" below):
-batch validation modes, Idempotency-Key semantics, rate-limit headers, quota errors, error bodies.
+GET /emails/{id}, GET /domains, POST/GET/PATCH/DELETE /webhooks) and to every point of
+``resend-contract.md`` ("the contract" below): batch validation modes, Idempotency-Key semantics,
+rate-limit headers, quota errors, error bodies, and webhooks pushed with Svix signatures, retries and
+switchable faults (:mod:`.webhooks`; each email's events come from :mod:`.lifecycle`, which
+GET /emails/{id} reports too).
 
 Honesty rules: an email is "accepted" only once its outbox line is written and flushed; idempotent
 replays write nothing; faults are drawn from a seeded ``random.Random`` so a run is reproducible.

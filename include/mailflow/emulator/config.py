@@ -93,6 +93,10 @@ class EmulatorConfig:
     webhook_time_scale: float = 1.0  # (runtime) multiplies the retry schedule (0.0001: a day in 8.6 s)
     webhook_timeout_seconds: float = 15.0  # (runtime) per attempt; a timeout is a failed attempt
     webhook_concurrency: int = 64  # attempts in flight at once (keep-alive connections)
+    webhook_log: str | None = None  # JSON-lines file: one line per message or copy when it is final
+    #   (acknowledged, given up, rejected...), the accounting of a run too long to keep in memory
+    webhook_records_max: int = 0  # messages kept for GET /_emulator/webhooks (the newest; 0 = all);
+    #   the totals always count everything
     webhook_duplicate_rate: float = 0.0  # (runtime) acknowledged messages delivered once more, same svix-id
     webhook_reorder_rate: float = 0.0  # (runtime) emails whose events are all emitted at the time of the
     #   last one, newest first (delivered after bounced, opened before delivered)
@@ -141,6 +145,8 @@ _RUNTIME = {
     "webhook_delay_seconds", "webhook_drop_rate", "webhook_forged_rate", "webhook_stale_rate",
     "webhook_future_rate",
 }
+RUNTIME_SETTINGS = frozenset(_RUNTIME)
+"""The settings ``POST /_emulator/config`` may change."""
 _ADDRESS_LISTS = ("bounce", "complain", "suppress", "fail", "soft_bounce", "delayed")
 _CHOICES = {"reset_mode": ("abort", "hang"), "retry_after_style": ("seconds", "fraction", "http-date"),
             "error_after_status": (500, 502, 503, 504)}

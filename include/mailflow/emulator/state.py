@@ -32,7 +32,7 @@ class EmulatorState:
         self.cfg = config
         self._outbox = open(config.outbox, "a", encoding="utf-8") if config.outbox else None
         self._idem_store: TextIO | None = None
-        self.hooks = WebhookDispatcher(lambda: self.cfg, self.now)
+        self.hooks = WebhookDispatcher(lambda: self.cfg)
         self.reset(keep_config=False, truncate=False)  # an existing outbox is appended to, never lost
         if config.idempotency_store:
             self._load_idem_store(config.idempotency_store)
@@ -76,7 +76,7 @@ class EmulatorState:
         """Clear emails, idempotency records, rate windows and stats; truncate the outbox."""
         if not keep_config:
             self.cfg = self.initial
-        self.hooks.clear()
+        self.hooks.clear(truncate=truncate)
         self.rng = random.Random(self.cfg.seed)
         self.clock_offset = 0.0
         self.emails: OrderedDict[str, dict[str, Any]] = OrderedDict()

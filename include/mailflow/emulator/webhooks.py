@@ -31,9 +31,9 @@ import os
 import random
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO
 
 import h11
 from standardwebhooks.webhooks import Webhook
@@ -137,27 +137,38 @@ class WebhookDispatcher:
     next attempt. Times in the accounting are wall-clock epoch seconds.
     """
 
-    def __init__(self, get_config: Any, clock: Any):
-        self._cfg = get_config  # () -> EmulatorConfig
-        self._clock = clock  # () -> the emulator's epoch seconds (event times)
+    def __init__(self, get_config: Any):
+        self._cfg = get_config  # () -> EmulatorConfig (the emulator's current settings)
         self.endpoints: OrderedDict[str, Endpoint] = OrderedDict()
         self.gen = 0
         self.client: PostClient | None = None
         self.queue: asyncio.Queue[Message] | None = None
         self.workers: list[asyncio.Task[None]] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._log: TextIO | None = open(self.cfg.webhook_log, "a", encoding="utf-8") if self.cfg.webhook_log else None
         self.clear()
 
     @property
     def cfg(self) -> EmulatorConfig:
-        return self._cfg()  # type: ignore[no-any-return]
+        return self._cfg()
+
+    def _journal(self, msg: Message) -> None:
+        """One JSON line per final message or copy (``msg.public()``), flushed at once."""
+        if self._log is not None and msg.gen == self.gen:
+            self._log.write(json.dumps(msg.public(), separators=(",", ":")) + "\n")
+            self._log.flush()
 
     # -- state -------------------------------------------------------------------------------------
-    def clear(self) -> None:
-        """Forget messages and counters and the API-registered endpoints; attempts already in flight
-        finish but schedule nothing more (generation check)."""
+    def clear(self, truncate: bool = False) -> None:
+        """Forget messages and counters and the API-registered endpoints (``truncate``: empty the
+        ``webhook_log`` too); attempts already in flight finish but schedule nothing more."""
         self.gen += 1
-        self.records: list[Message] = []
+        if truncate and self._log is not None:
+            self._log.seek(0)
+            self._log.truncate()
+            self._log.flush()
+        keep = int(self.cfg.webhook_records_max)
+        self.records: deque[Message] = deque(maxlen=keep if keep > 0 else None)
         self.in_flight = 0
         self.totals: dict[str, Any] = {
             "emails": 0, "messages": 0, "acknowledged": 0, "given_up": 0, "endpoint_gone": 0,
@@ -199,11 +210,13 @@ class WebhookDispatcher:
 
     # -- the loop ----------------------------------------------------------------------------------
     def ensure_started(self) -> None:
-        """Start the worker pool and the shared client on the running loop (idempotent)."""
-        if self.workers:
+        """Start the worker pool and the shared client on the running loop (idempotent; a pool left on
+        another loop, as an in-process test client makes one per request, is replaced)."""
+        loop = asyncio.get_running_loop()
+        if self.workers and self.loop is loop:
             return
         n = max(1, int(self.cfg.webhook_concurrency))
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop
         self.client = PostClient()
         self.queue = asyncio.Queue()
         self.workers = [asyncio.create_task(self._worker(), name=f"webhook-worker-{i}") for i in range(n)]
@@ -363,6 +376,7 @@ class WebhookDispatcher:
         msg.final = final
         if msg.gen == self.gen and msg.kind == "genuine":
             self.totals[final] += 1
+        self._journal(msg)
         if not msg.duplicate:
             msg.body = ""  # the accounting keeps the facts, not the bytes
 
@@ -388,6 +402,7 @@ class WebhookDispatcher:
         copy.final = "acknowledged" if acked else "rejected"
         if copy.final == "acknowledged":
             copy.acked_at = time.time()
+        self._journal(copy)
         if msg.gen == self.gen:
             self.totals[kind]["sent"] += 1
             self.totals[kind]["acknowledged"] += int(acked)

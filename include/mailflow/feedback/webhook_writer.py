@@ -83,7 +83,7 @@ class GroupWriter:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._dirty: set[str] = set()
-        self._last_sweep = self._last_guard = 0.0
+        self._last_sweep, self._last_guard = 0.0, time.monotonic()  # sweep at once (a backlog after a restart)
         self.stats = {"groups": 0, "events": 0, "failed_groups": 0, "largest_group": 0}
 
     @property

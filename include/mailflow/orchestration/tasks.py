@@ -261,36 +261,50 @@ def _poll_or_fail(conn: psycopg.Connection, client: ResendClient, **kw: Any) -> 
         raise AirflowFailException(str(exc)) from None
 
 
+POLL_INTERVAL_SECONDS = 1800.0
+"""Seconds between two safety-net polls when the run has no data interval to say (the DAG runs every 30 min)."""
+
+
 def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
-    """The ``deliverability_feedback`` DAG's task: Params ``lookback_hours``, ``min_age_minutes``,
-    ``recheck_after_minutes``, ``max_checks_per_email``, ``max_emails_per_run``,
-    ``time_budget_seconds``. Connections ``send_log_db`` and ``settings.FEEDBACK_CONN_ID``. Returns the
-    :class:`FeedbackSummary` as a dict.
+    """The ``deliverability_feedback`` DAG's safety-net poll: Params ``lookback_hours``,
+    ``min_age_minutes``, ``recheck_after_minutes``, ``max_checks_per_email``, ``max_emails_per_run``,
+    ``time_budget_seconds`` and ``rate_share`` (the share of the account's rate limit a run may spend:
+    requests per run at most ``rate_share * requests_per_second * seconds between runs``, the seconds
+    being the run's data interval). Connections ``send_log_db`` and ``settings.FEEDBACK_CONN_ID``.
+    Returns the :class:`FeedbackSummary` as a dict.
 
     :raises airflow.sdk.exceptions.AirflowFailException: if the provider refuses the API key (not
         retried; a sending-only key: use a full-access key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name
         its own connection).
     """
+    from mailflow.feedback.deliverability import request_budget
     from mailflow.provider.hook import ResendHook
     from mailflow.store.migrate import require_current
 
     params = context["params"]
     ti = context.get("ti")
     budget = budget_fits(context, float(params.get("time_budget_seconds", 600)), settings.FEEDBACK_CONN_ID)
+    start, end = context.get("data_interval_start"), context.get("data_interval_end")
+    interval = (end - start).total_seconds() if start is not None and end is not None and end > start \
+        else POLL_INTERVAL_SECONDS
+    hook = ResendHook(settings.FEEDBACK_CONN_ID)
+    max_requests = request_budget(float(hook.settings()["requests_per_second"]),
+                                  float(params.get("rate_share", 0.01)), interval)
     started = time.monotonic()
     with send_log_connection() as conn:
         conn.autocommit = True
         require_current(conn)
-        client = ResendHook(settings.FEEDBACK_CONN_ID).get_conn()
+        client = hook.get_conn()
         try:
             summary = _poll_or_fail(
                 conn, client,
                 lookback=timedelta(hours=float(params.get("lookback_hours", 48))),
-                min_age=timedelta(minutes=float(params.get("min_age_minutes", 5))),
+                min_age=timedelta(minutes=float(params.get("min_age_minutes", 60))),
                 recheck_after=timedelta(minutes=float(params.get("recheck_after_minutes", 120))),
                 max_checks=int(params.get("max_checks_per_email", 4)),
                 limit=int(params.get("max_emails_per_run", 500)),
                 budget_seconds=budget,
+                max_requests=max_requests,
                 run=RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id) if ti is not None else None,
             )
         finally:
@@ -301,3 +315,24 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
 
         feedback_alert(summary.alerts, context)
     return summary.as_dict()
+
+
+def webhook_sweep_task(context: dict[str, Any]) -> dict[str, Any]:
+    """The ``deliverability_feedback`` DAG's sweep: apply webhook events still waiting for their email
+    (:func:`mailflow.orchestration.webhooks.sweep_task`; Params ``sweep_limit``, ``give_up_hours``)."""
+    from mailflow.orchestration.webhooks import sweep_task
+    from mailflow.store.migrate import require_current
+
+    with send_log_connection() as conn:
+        conn.autocommit = True
+        require_current(conn)
+        return sweep_task(conn, context["params"])
+
+
+def webhook_alert_task(context: dict[str, Any]) -> dict[str, Any]:
+    """The ``deliverability_feedback`` DAG's alert for new webhook mismatches, failures and unknown emails."""
+    from mailflow.orchestration.webhooks import alert_task
+
+    with send_log_connection() as conn:
+        conn.autocommit = True
+        return alert_task(conn, context)

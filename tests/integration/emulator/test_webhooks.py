@@ -44,10 +44,16 @@ def send(emu: EmulatorProcess, recipients: list[str]) -> list[str]:
     return ids
 
 
+def last_events(emu: EmulatorProcess, email_ids: list[str]) -> list[str]:
+    """GET /emails/{id}'s last_event for each id (one keep-alive client)."""
+    with httpx.Client(base_url=emu.base_url, headers=emu.auth_headers, timeout=10) as c:
+        answers = [c.get(f"/emails/{email_id}") for email_id in email_ids]
+    assert all(r.status_code == 200 for r in answers)
+    return [str(r.json()["last_event"]) for r in answers]
+
+
 def last_event(emu: EmulatorProcess, email_id: str) -> str:
-    r = httpx.get(f"{emu.base_url}/emails/{email_id}", headers=emu.auth_headers)
-    assert r.status_code == 200
-    return str(r.json()["last_event"])
+    return last_events(emu, [email_id])[0]
 
 
 def by_email(requests: list[SinkRequest]) -> dict[str, list[SinkRequest]]:
@@ -94,6 +100,13 @@ def test_webhook_api_shapes_auth_and_validation() -> None:
                                                                   "events": ["email.sent"]})
             assert (r.status_code, r.json()["name"]) == (401, "restricted_api_key")
         assert httpx.get(f"{emu.base_url}/webhooks").json()["name"] == "missing_api_key"
+        r = c.patch(f"/webhooks/{created['id']}", json={"events": ["email.sent"], "status": "disabled"})
+        assert r.json() == {"object": "webhook", "id": created["id"]}
+        got = c.get(f"/webhooks/{created['id']}").json()
+        assert (got["events"], got["status"]) == (["email.sent"], "disabled")
+        assert c.patch(f"/webhooks/{created['id']}", json={"status": "paused"}).status_code == 422
+        c.post("/emails", json=email("anna@example.com"))
+        assert emu.webhooks(limit=0)["totals"]["messages"] == 0  # a disabled endpoint gets nothing
         r = c.delete(f"/webhooks/{created['id']}")
         assert r.json() == {"object": "webhook", "id": created["id"], "deleted": True}
         assert c.get(f"/webhooks/{created['id']}").status_code == 404
@@ -210,10 +223,10 @@ def test_lifecycle_by_seeded_rates_is_exactly_the_plan() -> None:
         got = by_email(sink.received())
         cfg = EmulatorConfig(seed=42, **RATES)  # type: ignore[arg-type]
         counts: Counter[str] = Counter()
-        for eid, to in zip(ids, recipients, strict=True):
+        for eid, to, polled in zip(ids, recipients, last_events(emu, ids), strict=True):
             plan = plan_lifecycle(eid, [to], cfg)
             assert sorted(r.envelope["type"] for r in got[eid]) == sorted(e.type for e in plan)
-            assert last_event(emu, eid) == plan[-1].last_event
+            assert polled == plan[-1].last_event
             counts.update(e.type for e in plan)
         assert sum(counts.values()) == len(sink.received()) == emu.webhooks(limit=0)["totals"]["acknowledged"]
         for kind in ("email.bounced", "email.failed", "email.delivery_delayed", "email.complained", "email.opened",
@@ -426,7 +439,7 @@ def test_push_rate_against_a_trivial_receiver(tmp_path: Any) -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         with EmulatorProcess.with_webhooks(f"http://127.0.0.1:{port}/hook", [SECRET], store_bodies=False,
-                                           webhook_delay_rate=1.0, webhook_delay_seconds=8.0) as emu:
+                                           webhook_delay_rate=1.0, webhook_delay_seconds=6.0) as emu:
             send(emu, [f"user{i}@example.com" for i in range(5000)])
             totals = emu.wait_webhooks(timeout=120)
             assert (totals["messages"], totals["acknowledged"]) == (10000, 10000)
@@ -452,3 +465,33 @@ def test_json_bodies_are_resend_envelopes() -> None:
         for env in envelopes.values():
             assert sorted(env) == ["created_at", "data", "type"]
             assert json.loads(json.dumps(env))["data"]["email_id"] == eid
+
+
+def test_journal_and_bounded_records(tmp_path: Any) -> None:
+    journal = tmp_path / "webhooks.jsonl"
+    with WebhookSink([SECRET]) as sink, EmulatorProcess.with_webhooks(
+            sink.url, [SECRET], webhook_log=str(journal), webhook_records_max=3, webhook_stale_rate=1.0) as emu:
+        send(emu, ["anna@example.com", "ben@example.com"])
+        totals = emu.wait_webhooks()
+        assert (totals["messages"], totals["acknowledged"], totals["stale"]) == (4, 4, {"sent": 4, "acknowledged": 0})
+        assert len(emu.webhook_messages()) == 3  # the newest three of eight records
+        lines = [json.loads(line) for line in journal.read_text().splitlines()]
+        assert Counter((m["kind"], m["final"]) for m in lines) == {("genuine", "acknowledged"): 4,
+                                                                    ("stale", "rejected"): 4}
+        assert {m["svix_id"] for m in lines} == {r.svix_id for r in sink.received()}
+        emu.reset()
+        assert journal.read_text() == ""
+
+
+def test_deleting_an_endpoint_ends_its_pending_messages() -> None:
+    sink = WebhookSink([SECRET], port=free_port())  # never started: every attempt is refused
+    with EmulatorProcess(rate_limit=0, webhook_time_scale=0.0001) as emu, \
+            httpx.Client(base_url=emu.base_url, headers=emu.auth_headers) as c:
+        hook = c.post("/webhooks", json={"endpoint": sink.url, "events": ["email.sent"]}).json()
+        send(emu, ["anna@example.com"])
+        time.sleep(0.2)
+        assert c.delete(f"/webhooks/{hook['id']}").status_code == 200
+        totals = emu.wait_webhooks(timeout=30)
+        assert (totals["endpoint_gone"], totals["acknowledged"], totals["given_up"]) == (1, 0, 0)
+        (m,) = genuine(emu)
+        assert m["final"] == "endpoint_gone" and {a["status"] for a in m["attempts"]} == {"refused"}

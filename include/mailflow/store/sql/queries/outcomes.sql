@@ -3,7 +3,7 @@
 -- the address the recipient check compares against and the campaign the reputation guard evaluates.
 select id, provider_message_id, email, campaign, user_id, status
 from mail.send_log
-where provider_message_id = any(%(pids)s::text[])
+where provider_message_id = any(%(pids)b::text[])
 
 -- name: record_events
 -- Record provider reports as typed events of their emails and fold them into mail.delivery_status, as one
@@ -18,8 +18,8 @@ where provider_message_id = any(%(pids)s::text[])
 -- A row created here has never been polled (checks 0, no poll times, last_event 'webhook').
 with reported as (
     select *
-    from unnest(%(send_log_ids)s::bigint[], %(pids)s::text[], %(events)s::text[], %(bounce_types)s::text[],
-                %(occurred)s::timestamptz[], %(sources)s::text[], %(svix_ids)s::text[])
+    from unnest(%(send_log_ids)b::bigint[], %(pids)b::text[], %(events)b::text[], %(bounce_types)b::text[],
+                %(occurred)b::timestamptz[], %(sources)b::text[], %(svix_ids)b::text[])
          as r(send_log_id, pid, event, bounce_type, occurred_at, source, svix_id)
 ), new_event as (
     insert into mail.delivery_event (send_log_id, provider_message_id, event, bounce_type, occurred_at, source, svix_id)

@@ -8,8 +8,8 @@ insert into mail.webhook_event (svix_id, event_type, provider_message_id, occurr
                                 attempts, decision)
 select e.svix_id, e.event_type, e.pid, e.occurred_at, e.payload::jsonb,
        case when e.decision is not null then now() end, e.attempts, e.decision
-from unnest(%(svix_ids)s::text[], %(types)s::text[], %(pids)s::text[], %(occurred)s::timestamptz[],
-            %(payloads)s::text[], %(decisions)s::text[], %(attempts)s::integer[])
+from unnest(%(svix_ids)b::text[], %(types)b::text[], %(pids)b::text[], %(occurred)b::timestamptz[],
+            %(payloads)b::text[], %(decisions)b::text[], %(attempts)b::integer[])
      as e(svix_id, event_type, pid, occurred_at, payload, decision, attempts)
 order by e.svix_id
 on conflict (svix_id) do nothing
