@@ -166,16 +166,16 @@ WITHIN_S = 300.0
 POLL_RUNS_PER_HOUR = 2  # the deliverability_feedback DAG runs at :10 and :40
 
 
-def _emulator_messages(emu: Any, event_type: str) -> list[dict[str, Any]]:
-    """The emulator's accounting of every genuine message of ``event_type`` (paged)."""
+def _journal_messages(path: Path, types: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The emulator's accounting (its ``webhook_log`` journal: one JSON line per message when it is
+    final) of the genuine messages of ``types``."""
     out: list[dict[str, Any]] = []
-    offset = 0
-    while True:
-        page = emu._control("GET", f"webhooks?kind=genuine&type={event_type}&limit=20000&offset={offset}")
-        out += page["messages"]
-        offset += len(page["messages"])
-        if not page["has_more"]:
-            return out
+    with open(path) as f:
+        for line in f:
+            m = json.loads(line)
+            if m["kind"] == "genuine" and m["type"] in types:
+                out.append(m)
+    return out
 
 
 def _drain(emu: Any, seconds: float) -> tuple[dict[str, Any], float]:
@@ -252,7 +252,8 @@ def coverage(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
         rx = ReceiverProcess(sdsn, [secret], work / "receiver.log")
         with rx, EmulatorProcess(outbox=work / "outbox.jsonl", rate_limit=CAP, store_bodies=False,
                                  latency_ms=LATENCY_MS, webhook_url=rx.url, webhook_secrets=[secret],
-                                 event_spread_seconds=EVENT_SPREAD_S, **COVERAGE_RATES) as emu:
+                                 event_spread_seconds=EVENT_SPREAD_S, webhook_log=str(work / "webhooks.jsonl"),
+                                 webhook_records_max=1000, **COVERAGE_RATES) as emu:
             pacer = PostgresPacer(lambda: psycopg.connect(sdsn), account="coverage", requests_per_second=CAP,
                                   target_fraction=fraction)
             client = ResendClient(emu.base_url, API_KEY, pacer=pacer, timeout=httpx.Timeout(30.0))
@@ -268,7 +269,7 @@ def coverage(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
             print(f"    engine: {sent} emails accepted in {wall:.1f} s ({sent / wall:.0f}/s); "
                   f"draining webhooks", flush=True)
             totals, drained = _drain(emu, 900.0)
-            messages = [m for t in OUTCOME_TYPES for m in _emulator_messages(emu, t)]
+            messages = _journal_messages(work / "webhooks.jsonl", OUTCOME_TYPES)
             with psycopg.connect(sdsn, autocommit=True) as conn:
                 _wait_applied(conn, 60.0)
                 stats_before = emu.stats()["requests"]
