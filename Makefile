@@ -9,13 +9,13 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 help:            ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-venv: $(VENV)/.installed  ## create .venv with the pinned requirements and the package (editable)
+venv: $(VENV)/.installed  ## create .venv with the pinned development set (requirements-dev.txt) and the package (editable)
 
 demo: venv       ## embedded Postgres + emulator + demo data + `airflow dags test lifecycle_emails` (DEMO_ARGS="--reset --users N --seed N --keep-db")
 	$(PY) scripts/demo.py $(DEMO_ARGS)

@@ -58,7 +58,7 @@ def renderer() -> Any:
     from mailflow.feedback.unsubscribe_tokens import signer_from_secret
     from mailflow.sendloop.render import Renderer
 
-    return Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), settings.public_url(), settings.app_url())
+    return Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), settings.unsubscribe_base_url(), settings.app_url())
 
 
 class InstantProvider:

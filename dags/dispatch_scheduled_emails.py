@@ -31,7 +31,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.alerts import DISPATCH_DEADLINE, deadline, default_args
 from mailflow.orchestration.assets import SEND_LOG
 from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
@@ -46,6 +46,8 @@ with DAG(
     catchup=False,
     max_active_runs=1,
     default_args=default_args(retries=1, retry_delay=timedelta(seconds=30)),
+    deadline=deadline(DISPATCH_DEADLINE, "a dispatch run is not finished 5 min after it was queued; scheduled "
+                      "emails are going out late"),
     tags=["email", "scheduled", "mailflow"],
     doc_md=__doc__,
     params={

@@ -25,7 +25,7 @@ import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
 from mailflow.campaigns import declared_names
-from mailflow.orchestration.alerts import default_args
+from mailflow.orchestration.alerts import LIFECYCLE_DEADLINE, deadline, default_args
 from mailflow.orchestration.assets import SEND_LOG
 from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
@@ -40,6 +40,8 @@ with DAG(
     catchup=False,
     max_active_runs=1,
     default_args=default_args(retries=2, retry_delay=timedelta(minutes=2)),
+    deadline=deadline(LIFECYCLE_DEADLINE, "the hourly lifecycle run is not finished 45 min after it was queued; "
+                      "the next hour's run waits behind it"),
     tags=["email", "lifecycle", "mailflow"],
     doc_md=__doc__,
     params={

@@ -1,7 +1,8 @@
 """Airflow plugin: the one-click unsubscribe endpoint inside the Airflow 3 API server.
 
-Mounted at ``<api server>/mailflow-unsubscribe`` (so ``MAILFLOW_PUBLIC_URL`` is
-``https://<airflow host>/mailflow-unsubscribe``). The routes are public: email recipients are not
+Mounted at ``<api server>/mailflow-unsubscribe`` (``mailflow.settings.UNSUBSCRIBE_PATH``); links are
+built as ``<MAILFLOW_PUBLIC_URL>/mailflow-unsubscribe/u/<token>``, so ``MAILFLOW_PUBLIC_URL`` is the
+API server's public address (``https://<airflow host>``; the prefix may be written too). The routes are public: email recipients are not
 Airflow users and the signed token is the only credential (see docs/unsubscribe.md). Nothing is
 resolved at start-up: the signing secret (``MAILFLOW_UNSUBSCRIBE_SECRET`` or the connection
 ``mail_unsubscribe``) and the database (``MAILFLOW_UNSUBSCRIBE_DSN`` or the connection
@@ -14,8 +15,9 @@ from __future__ import annotations
 from airflow.plugins_manager import AirflowPlugin
 
 from mailflow.orchestration.unsubscribe import create_airflow_app
+from mailflow.settings import UNSUBSCRIBE_PATH
 
-URL_PREFIX = "/mailflow-unsubscribe"
+URL_PREFIX = UNSUBSCRIBE_PATH
 
 
 class MailflowUnsubscribePlugin(AirflowPlugin):

@@ -12,6 +12,8 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow dead-letters close  (--ids 1,2 | --all) --by NAME --reason TEXT
     mailflow breaker [--close ACCOUNT --by NAME]         # the providers' circuit breakers
     mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
+    mailflow reputation status                                         # the reputation guard's scopes
+    mailflow reputation resume (--campaign NAME | --account NAME) --reason TEXT [--by NAME]
 """
 
 from __future__ import annotations
@@ -29,21 +31,19 @@ from typing import Any
 
 import psycopg
 
+from mailflow.model.tally import COLUMNS as TALLY_COLUMNS
+from mailflow.store.sql import query
+
+#: The report's columns: the campaign, then every summary's columns (mailflow.model.tally.COLUMNS).
+REPORT_HEAD: tuple[str, ...] = ("campaign", *TALLY_COLUMNS)
+
 
 def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
-    """Rows ``(campaign, total, sent, failed, sending, pending, cancelled, rolled_back)`` by campaign."""
-    return conn.execute(
-        """
-        select campaign, count(*) filter (where released_at is null),
-               count(*) filter (where status = 'sent'),
-               count(*) filter (where status = 'failed' and released_at is null),
-               count(*) filter (where status = 'sending'),
-               count(*) filter (where status = 'pending'),
-               count(*) filter (where status = 'cancelled'),
-               count(*) filter (where released_at is not null)
-        from mail.send_log group by campaign order by campaign
-        """
-    ).fetchall()
+    """Rows ``(campaign, total, pending, sending, sent, failed, cancelled, duplicate, skipped, invalid,
+    dead_lettered, rolled_back)`` by campaign (:data:`REPORT_HEAD`), counted as every summary counts
+    (:mod:`mailflow.model.tally`): the first seven states add up to ``total``; ``invalid`` and
+    ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total."""
+    return conn.execute(query("report", "campaign_tally")).fetchall()
 
 
 def keys(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
@@ -194,6 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--field", default=None, type=str.lower,
                    help="only rows whose error names this campaign field (any case)")
     r.add_argument("--apply", action="store_true", help="change the rows (default: count only)")
+    rp = sub.add_parser("reputation", parents=[common],
+                        help="the reputation guard: status, or resume a tripped campaign or account (a person's "
+                             "decision; docs/operations.md, 'Reputation guard')")
+    rp.add_argument("action", choices=("status", "resume"))
+    scope = rp.add_mutually_exclusive_group()
+    scope.add_argument("--campaign", help="resume this campaign")
+    scope.add_argument("--account", help="resume the provider account (every campaign)")
+    rp.add_argument("--reason", default="", help="why it is safe to send again (required to resume)")
+    rp.add_argument("--by", default=os.environ.get("USER", ""), help="who resumes (default: $USER)")
     args = p.parse_args(argv)
     if args.cmd == "breaker" and args.by and not args.close:
         p.error("breaker: --by names who closes a breaker; it needs --close ACCOUNT")
@@ -244,8 +253,7 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
             return 2
         print(json.dumps(dataclasses.asdict(done) | {"applied": args.apply}, indent=2))
     elif args.cmd == "report":
-        head = ("campaign", "total", "sent", "failed", "sending", "pending", "cancelled", "rolled_back")
-        print_table(head, report(conn))
+        print_table(REPORT_HEAD, report(conn))
     elif args.cmd == "keys":
         rows = keys(conn)
         print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),
@@ -259,6 +267,8 @@ def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         return _dead_letters(args, conn)
     elif args.cmd == "breaker":
         return _breaker(args, conn)
+    elif args.cmd == "reputation":
+        return _reputation(args, conn)
     else:
         if not args.outbox.is_file():
             print(f"error: outbox file {args.outbox} not found", file=sys.stderr)
@@ -384,6 +394,41 @@ def _breaker(args: argparse.Namespace, conn: psycopg.Connection) -> int:
         return 0
     print_table(("account", "state", "opened_at", "reason", "failures", "opened_total", "probe_holder",
                  "probe_until", "closed_at", "closed_by"), conn.execute(query("breaker", "breakers")).fetchall())
+    return 0
+
+
+def _reputation(args: argparse.Namespace, conn: psycopg.Connection) -> int:
+    from mailflow.sources.scheduled.control import resume_reputation
+    from mailflow.store import reputation
+
+    if args.action == "status":
+        rows = reputation.status(conn)
+        print_table(("scope", "name", "state", "hard_bounce_rate", "complaint_rate", "sample", "evaluated_at",
+                     "tripped_at", "resumed_at", "resumed_by"),
+                    [tuple("-" if r[k] is None else r[k] for k in (
+                        "scope", "name", "state", "hard_bounce_rate", "complaint_rate", "sample", "evaluated_at",
+                        "tripped_at", "resumed_at", "resumed_by")) for r in rows])
+        for r in rows:
+            if r["state"] == "tripped":
+                print(f"{r['scope']} {r['name']} tripped: {r['reason']}")
+        return 0
+    if not (args.campaign or args.account):
+        print("error: resume names what: --campaign NAME or --account NAME", file=sys.stderr)
+        return 2
+    if not args.by.strip() or not args.reason.strip():
+        print("error: resuming is a person's decision: give --reason (and --by if $USER is not set)", file=sys.stderr)
+        return 2
+    scope, name = ("campaign", args.campaign) if args.campaign else ("account", args.account)
+    try:
+        done = resume_reputation(conn, scope, name, actor=args.by, reason=args.reason)
+    except (LookupError, ValueError) as exc:
+        print(f"error: {str(exc).strip(chr(39) + chr(34))}", file=sys.stderr)
+        return 1
+    if not done["changed"]:
+        print(f"{scope} {name} is not tripped: nothing to resume")
+        return 0
+    print(f"resumed {scope} {name} at {done['resumed_at']} by {args.by.strip()}; scheduled campaigns set back to "
+          f"scheduled: {', '.join(done['unpaused']) or 'none'}")
     return 0
 
 

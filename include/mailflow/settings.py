@@ -21,9 +21,32 @@ WEBHOOK_CONN_ID = os.environ.get("MAILFLOW_WEBHOOK_CONN_ID", "mail_webhook")
 separated; the newest first while rotating). See docs/feedback.md."""
 
 
+UNSUBSCRIBE_PATH = "/mailflow-unsubscribe"
+"""Where the unsubscribe endpoint lives under the public URL, wherever it runs: the Airflow plugin
+mounts it there in the API server and the standalone app serves it there too (and at ``/u/`` for
+links sent before). mailflow's other public endpoints sit next to it under the same public URL."""
+
+
 def public_url() -> str:
-    """Base URL of the one-click unsubscribe endpoint (``MAILFLOW_PUBLIC_URL``)."""
+    """Public base URL of mailflow's endpoints (``MAILFLOW_PUBLIC_URL``): the Airflow API server's
+    address as recipients reach it (``https://airflow.example.com``), or the domain in front of the
+    standalone app (``https://mail.example.com``), with any path prefix a proxy adds."""
     return os.environ.get("MAILFLOW_PUBLIC_URL", "https://mail.example.com")
+
+
+def unsubscribe_base_url(public: str | None = None) -> str:
+    """Base of every unsubscribe link (``<base>/u/<token>``): ``public`` (default
+    :func:`public_url`) followed by :data:`UNSUBSCRIBE_PATH`, which is added once: a public URL
+    that already ends with it (``https://airflow.example.com/mailflow-unsubscribe``) is kept as is,
+    so both spellings give links the endpoint answers.
+
+    >>> unsubscribe_base_url("http://localhost:8080/")
+    'http://localhost:8080/mailflow-unsubscribe'
+    >>> unsubscribe_base_url("https://a.example.com/mailflow-unsubscribe")
+    'https://a.example.com/mailflow-unsubscribe'
+    """
+    base = (public_url() if public is None else public).strip().rstrip("/")
+    return base if base.endswith(UNSUBSCRIBE_PATH) else base + UNSUBSCRIBE_PATH
 
 
 def app_url() -> str:

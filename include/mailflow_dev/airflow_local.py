@@ -7,8 +7,10 @@ use it to run Airflow 3 the way an operator does:
 * :func:`airflow_env`: a temporary ``AIRFLOW_HOME``, the metadata DB on a PostgreSQL server (never
   SQLite: the scheduler, API server, DAG processor and workers run in parallel), free ports for the
   API server and the log servers, one JWT secret for every process, SimpleAuthManager with
-  ``simple_auth_manager_all_admins`` (a token from ``GET /auth/token``), examples off, and the
-  three mailflow connections as ``AIRFLOW_CONN_*`` variables.
+  ``simple_auth_manager_all_admins`` (a token from ``GET /auth/token``), examples off, the
+  connection "Test" button on, and the three mailflow connections as ``AIRFLOW_CONN_*`` variables
+  (the test tiers) or none (``make airflow`` writes them to the metadata database:
+  :func:`sync_connections`).
 * :class:`Proc`: one Airflow command (``airflow standalone``, ``airflow scheduler``, ...) in its
   own session (process group), output to a log file. :meth:`Proc.stop` sends SIGINT to the PID it
   started (``airflow standalone`` shuts its components down on SIGINT, not SIGTERM), waits, and
@@ -91,6 +93,8 @@ def airflow_env(home: Path, metadata_dsn: str, connections: Mapping[str, str], *
         "AIRFLOW__CORE__EXECUTOR": executor,
         "AIRFLOW__CORE__PARALLELISM": "8",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        # Airflow 3 disables the connection form's "Test" button by default; the docs ask for it
+        "AIRFLOW__CORE__TEST_CONNECTION": "Enabled",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base}/execution/",
         "AIRFLOW__CORE__AUTH_MANAGER":
             "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
@@ -133,6 +137,62 @@ def mailflow_connections(send_log_dsn: str, emulator_url: str, api_key: str, uns
             "extra": {"requests_per_second": requests_per_second, "target_fraction": target_fraction}}),
         "AIRFLOW_CONN_MAIL_UNSUBSCRIBE": json.dumps({"conn_type": "generic", "password": unsubscribe_secret}),
     }
+
+
+CONN_FIELDS = ("conn_type", "host", "port", "login", "password", "schema", "extra")
+
+
+def _normal(conn: Mapping[str, Any]) -> dict[str, Any]:
+    """A connection's fields in one comparable shape (``extra`` as a dict, absent fields None)."""
+    out = {k: conn.get(k) for k in CONN_FIELDS}
+    if isinstance(out["extra"], str):
+        out["extra"] = json.loads(out["extra"]) if out["extra"].strip() else None
+    out["extra"] = out["extra"] or None
+    return out
+
+
+def sync_connections(env: Mapping[str, str], wanted: Mapping[str, str], record: Path) -> dict[str, str]:
+    """Put ``wanted`` (``{"AIRFLOW_CONN_<ID>": json}``, as :func:`mailflow_connections` gives) into
+    the metadata database of ``env``, where Admin -> Connections shows them and an edit there takes
+    effect (``airflow connections export`` and ``import --overwrite``; the database must be migrated).
+
+    A connection is created when missing; one that still holds exactly what this function wrote last
+    time (kept in ``record``) is brought up to date (the emulator's port changes between runs); one
+    that differs from that was edited by a person and is kept as it is.
+
+    :returns: ``{conn_id: "created" | "updated" | "unchanged" | "kept (edited in Airflow)"}``.
+    :raises RuntimeError: if the Airflow CLI fails (its output in the message).
+    """
+    desired = {name[len("AIRFLOW_CONN_"):].lower(): _normal(json.loads(value)) for name, value in wanted.items()}
+    try:
+        written = {k: _normal(v) for k, v in json.loads(record.read_text()).items()}
+    except (OSError, ValueError):
+        written = {}
+    current = {k: _normal(v) for k, v in
+               json.loads(airflow_cli(env, "connections", "export", "-", "--file-format", "json") or "{}").items()}
+    actions: dict[str, str] = {}
+    for conn_id, conn in desired.items():
+        if conn_id not in current:
+            actions[conn_id] = "created"
+        elif current[conn_id] == conn:
+            actions[conn_id] = "unchanged"
+        elif current[conn_id] == written.get(conn_id):
+            actions[conn_id] = "updated"
+        else:
+            actions[conn_id] = "kept (edited in Airflow)"
+    todo = {k: desired[k] for k, a in actions.items() if a in ("created", "updated")}
+    if todo:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        upload = record.with_suffix(".import.json")
+        upload.write_text(json.dumps({k: {f: v for f, v in c.items() if v is not None} for k, c in todo.items()}))
+        upload.chmod(0o600)
+        try:
+            airflow_cli(env, "connections", "import", "--overwrite", str(upload))
+        finally:
+            upload.unlink(missing_ok=True)
+    record.write_text(json.dumps({**written, **todo}))
+    record.chmod(0o600)
+    return actions
 
 
 def airflow_cli(env: Mapping[str, str], *args: str, timeout: float = 300) -> str:
@@ -459,8 +519,10 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
       campaign;
     * the emulator as the email API (outbox and idempotency memory of that database, as in
       ``make demo``), API key in ``.demo/emulator.key``;
-    * the package's DAGs and plugins, the three connections, the ``email_provider`` pool; DAGs are
-      created paused (unpause one in the UI to send);
+    * the package's DAGs and plugins, the ``email_provider`` pool, and the three connections in the
+      metadata database (Admin -> Connections shows them, an edit there is kept across restarts,
+      the "Test" button is on: :func:`sync_connections`); DAGs are created paused (unpause one in
+      the UI to send), and on a restart it says which ones are not;
     * SimpleAuthManager with one user, ``admin``, password generated once into
       ``.demo/airflow-local/admin.password``.
 
@@ -497,7 +559,7 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         _demo_campaign(send_log_dsn)
 
         api_key = "re_demo_" + _secret(devenv.STATE / "emulator.key")[:16]
-        emu_port = free_port()
+        emu_port = _stable_port(here / "emulator.port")
         emulator = Proc("emulator", [sys.executable, "-m", "mailflow.emulator", "--port", str(emu_port),
                                      "--outbox", str(state / "outbox.jsonl"), "--idempotency-store",
                                      str(state / "idempotency.jsonl"), "--api-key", api_key, "--rate-limit", "10"],
@@ -507,13 +569,23 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         (here / "emulator.url").write_text(f"{emulator_url}\n{state}\n")  # make demo on this database uses it
         password = _secret(here / "admin.password")
         (here / "passwords.json").write_text(json.dumps({ADMIN: password}))
-        env = airflow_env(here / "home", meta_dsn, mailflow_connections(
-            send_log_dsn, emulator_url, api_key, _secret(devenv.STATE / "unsubscribe.secret")), api_port=port, extra={
+        # no AIRFLOW_CONN_* here: the connections live in the metadata database, where people look
+        env = airflow_env(here / "home", meta_dsn, {}, api_port=port, extra={
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(here / "passwords.json"),
             "MAILFLOW_DEMO_STATE": str(devenv.STATE),
         })
+        try:
+            airflow_cli(env, "db", "migrate", timeout=600)
+            synced = sync_connections(env, mailflow_connections(
+                send_log_dsn, emulator_url, api_key, _secret(devenv.STATE / "unsubscribe.secret")),
+                here / "connections.json")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"make airflow: {exc}", file=sys.stderr)
+            down()
+            return 1
+        print("connections (Admin -> Connections): " + ", ".join(f"{k} {v}" for k, v in synced.items()))
         standalone = Proc("airflow standalone", [str(VENV_BIN / "airflow"), "standalone"], env,
                           here / "standalone.log").start()
         devenv.airflow_pidfile().write_text(str(standalone.pid))
@@ -522,7 +594,7 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         try:
             took = api.wait_ready(timeout, [standalone, emulator])
             api.ensure_pool(*POOL)
-            api.wait_dag("lifecycle_emails", timeout=120)
+            dags = [api.wait_dag(p.stem, timeout=120) for p in sorted((ROOT / "dags").glob("*.py"))]
         except (RuntimeError, TimeoutError) as exc:
             print(f"make airflow: {exc}", file=sys.stderr)
             down()
@@ -535,9 +607,35 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
                   f"send log:          {send_log_dsn}\n"
                   f"stop everything:   make stop")
         (here / "banner.txt").write_text(banner + "\n")
-        print(f"ready in {took:.0f} s (DAGs are paused: unpause one to send)")
+        print(f"ready in {took:.0f} s; {paused_summary(dags)}")
         print(banner)
     return 0
+
+
+def paused_summary(dags: Iterable[Mapping[str, Any]]) -> str:
+    """What the DAGs will do, from their ``is_paused`` as the API reports it (a restart keeps
+    what a person unpaused): ``"DAGs paused: a, b (unpause one to send)"``, plus
+    ``"; unpaused (they run on their schedules): c"`` when some are not."""
+    paused = sorted(d["dag_id"] for d in dags if d["is_paused"])
+    active = sorted(d["dag_id"] for d in dags if not d["is_paused"])
+    parts = [f"DAGs paused: {', '.join(paused)} (unpause one to send)"] if paused else []
+    if active:
+        parts.append(f"unpaused (they run on their schedules): {', '.join(active)}")
+    return "; ".join(parts) or "no DAGs"
+
+
+def _stable_port(path: Path) -> int:
+    """The port kept in ``path`` when it is still free, else a new free one (kept there): the
+    emulator keeps its address across restarts, so the connection written for it stays right."""
+    try:
+        port = int(path.read_text().strip())
+        if _port_free(port):
+            return port
+    except (OSError, ValueError):
+        pass
+    port = free_port()
+    path.write_text(f"{port}\n")
+    return port
 
 
 def down() -> dict[str, str]:

@@ -214,8 +214,7 @@ def assert_sent_run(dr: Any, end: datetime, rows: list[tuple[Any, ...]], expecte
     assert [s["campaign"] for s in summary] == names
     for s in summary:
         n = sent[s["campaign"]]
-        assert s == {"campaign": s["campaign"], "eligible": n, "minted": n, "sent": n, "failed": 0, "released": 0,
-                     "unknown": 0, "skipped": 0, "chunks": 1, "stopped": None, "invalid": 0, "duplicates": 0, "held": 0}
+        assert s == {"campaign": s["campaign"], "eligible": n, "minted": n, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": n, "pending": 0, "sending": 0, "sent": n, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
 
 
 @pytest.mark.airflow
@@ -241,7 +240,7 @@ def test_dag_test_of_an_old_interval_sends_only_with_allow_old_interval(
     assert dr.state == "success"
     assert send_log(db) == [] and emulator.read_outbox() == []
     summary = summary_of(dr)
-    assert [(s["campaign"], s["eligible"], s["minted"], s["skipped"]) for s in summary] == [
+    assert [(s["campaign"], s["eligible"], s["minted"], s["not_reached"]) for s in summary] == [
         ("finish_assessment", 1, 0, 1), ("first_practice", 2, 0, 2), ("upgrade_offer", 1, 0, 1),
         ("practice_tips", 3, 0, 3)]
     for s in summary:

@@ -43,6 +43,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from compose_rig import AIRFLOW_SERVICES, COMPOSE_SECRETS, compose_config, env_of
 from conftest import ROOT, UNSUBSCRIBE_SECRET
 
 from mailflow import cli
@@ -305,67 +306,7 @@ def test_backfills_params_pool_and_unpause_through_the_rest_api(airflow: Deploym
         print(f"{kind:<22}{start:<23}{conf_text:<32}{eligible:>9}{sent:>6}  {who}")
 
 
-
 # -- docker-compose.yaml (no Docker engine here: `docker compose config` only) ------------------
-
-COMPOSE_SECRETS = {"MAILFLOW_DB_PASSWORD": "db-pw", "MAILFLOW_UNSUBSCRIBE_SECRET": "unsub-secret",
-                   "AIRFLOW_JWT_SECRET": "jwt-secret", "AIRFLOW_API_SECRET_KEY": "api-secret"}
-AIRFLOW_SERVICES = ("airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-                    "airflow-triggerer", "airflow-worker-1", "airflow-worker-2")
-
-
-def compose_cli() -> list[str] | None:
-    """``docker compose`` (v2 plugin) or ``docker-compose`` (v1), whichever answers."""
-    import shutil
-    import subprocess
-
-    for cmd in (["docker", "compose"], ["docker-compose"]):
-        if shutil.which(cmd[0]) and subprocess.run([*cmd, "version"], capture_output=True).returncode == 0:
-            return cmd
-    return None
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable interpolation (``$$``, ``${V}``, ``${V:-d}``, ``${V-d}``, ``${V:?e}``, ``${V?e}``)
-    for machines without the compose CLI."""
-    import re
-
-    def sub(m: re.Match[str]) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        name, op, arg = m.group("name") or m.group("bare"), m.group("op"), m.group("arg") or ""
-        value = env.get(name)
-        if op in (":-", ":?") and not value or op in ("-", "?") and value is None:
-            if op.endswith("?"):
-                raise ValueError(f"required variable {name} is missing a value: {arg}")
-            return arg if op else ""
-        return value or ""
-
-    return re.sub(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|\$(?P<bare>\w+)", sub, text)
-
-
-def compose_config(env: dict[str, str]) -> tuple[dict[str, Any], str]:
-    """The resolved compose model and how it was obtained."""
-    import subprocess
-
-    import yaml
-
-    cli_cmd = compose_cli()
-    if cli_cmd is not None:
-        res = subprocess.run([*cli_cmd, "-f", str(ROOT / "docker-compose.yaml"), "config"], cwd=ROOT, text=True,
-                             capture_output=True, env={**{k: v for k, v in os.environ.items()
-                                                          if k not in COMPOSE_SECRETS}, **env})
-        if res.returncode != 0:
-            raise ValueError(res.stderr)
-        return yaml.safe_load(res.stdout), " ".join(cli_cmd) + " config"
-    return yaml.safe_load(interpolate((ROOT / "docker-compose.yaml").read_text(), env)), "PyYAML + interpolation"
-
-
-def env_of(service: dict[str, Any]) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {k: str(v) for k, v in env.items()}
 
 
 def test_docker_compose_config_has_what_the_package_needs() -> None:
@@ -404,7 +345,7 @@ def test_docker_compose_config_has_what_the_package_needs() -> None:
         resend = json.loads(env["AIRFLOW_CONN_RESEND_DEFAULT"])
         assert (resend["conn_type"], resend["host"], resend["extra"]["requests_per_second"]) == (
             "resend", "http://mailflow-emulator:8025", 10)
-        assert json.loads(env["AIRFLOW_CONN_MAIL_UNSUBSCRIBE"])["password"] == "unsub-secret"
+        assert json.loads(env["AIRFLOW_CONN_MAIL_UNSUBSCRIBE"])["password"] == COMPOSE_SECRETS["MAILFLOW_UNSUBSCRIBE_SECRET"]
         mounts = {str(v).split(":")[1] if isinstance(v, str) else v["target"]: v for v in svc["volumes"]}
         assert {"/opt/airflow/dags", "/opt/airflow/plugins", "/opt/mailflow/include"} <= set(mounts), name
     assert jwt == {"jwt-secret"}  # one JWT secret for every process

@@ -5,7 +5,10 @@
 in the background. Then, through the REST API and in Chromium (Debian's package, Playwright):
 
 * it printed the URL and the login, and that login works;
-* the DAG list holds exactly the package's DAGs, without import errors; the pool exists;
+* the DAG list holds exactly the package's DAGs, without import errors, and it said they are paused;
+  the pool exists;
+* the three connections are in the metadata database (Admin -> Connections lists them) and the
+  connection "Test" button works (Airflow 3 disables it unless configured);
 * unpausing ``lifecycle_emails`` runs it against the embedded send log and the emulator (the
   connections work) and it succeeds;
 * screenshots: the DAG list, the progress page list and a scheduled campaign with both charts
@@ -103,6 +106,9 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
     base, user, password = m.groups()
     assert base == f"http://127.0.0.1:{port}" and user == "admin"
     assert "make stop" in up.stdout
+    assert "connections (Admin -> Connections): send_log_db created, resend_default created, mail_unsubscribe " \
+        "created" in up.stdout
+    assert f"DAGs paused: {', '.join(DAGS)} (unpause one to send)" in up.stdout and "unpaused" not in up.stdout
     pid = int((state / "airflow-local" / "standalone.pid").read_text())
     emulator_pid = int((state / "airflow-local" / "emulator.pid").read_text())
 
@@ -113,6 +119,13 @@ def test_make_airflow_shows_the_dags_and_the_charts_and_make_stop_leaves_nothing
         assert sorted(d["dag_id"] for d in dags) == DAGS
         assert api.get("importErrors")["total_entries"] == 0
         assert api.get("pools/email_provider")["slots"] == 4
+        conns = {c["connection_id"]: c for c in api.get("connections", limit=100)["connections"]}
+        assert {"send_log_db", "resend_default", "mail_unsubscribe"} <= set(conns)
+        assert (conns["send_log_db"]["conn_type"], conns["send_log_db"]["schema"]) == ("postgres", "mailflow_demo")
+        tested = api.post("connections/test", {k: v for k, v in conns["send_log_db"].items()
+                                               if k in ("connection_id", "conn_type", "host", "port", "login",
+                                                        "schema")})
+        assert tested["status"] is True, tested
         # the connections work: the lifecycle DAG's one scheduled run (catchup=False) sends the demo data
         api.set_paused("lifecycle_emails", False)
         deadline = time.monotonic() + 240

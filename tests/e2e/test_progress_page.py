@@ -381,3 +381,106 @@ def _page_story(server: Server, context: Any) -> None:
     framed.locator(f'tr[data-campaign="{CAMPAIGN}"]').wait_for(timeout=30_000)
     assert dom_counts(framed.locator(f'tr[data-campaign="{CAMPAIGN}"]')) == {f: final[f] for f in COUNT_FIELDS}
     ui.screenshot(path=str(ARTIFACTS / "airflow_ui.png"))
+
+
+# -- the page's faults: chart ranges, a 1280 px window, outcomes and the reputation guard ---------------
+
+def open_page(server: Server, browser: Any, path: str, width: int = 1400) -> tuple[Any, Any]:
+    context = browser.new_context(viewport={"width": width, "height": 900})
+    context.add_cookies([{"name": "_token", "value": server.token("viewer"), "url": server.base_url}])
+    page = context.new_page()
+    page.goto(f"{server.base_url}/mailflow/{path}")
+    return context, page
+
+
+def test_one_day_of_sends_is_a_chart_of_one_day(server: Server, browser: Any) -> None:
+    """A lifecycle campaign sent on one day: the x range is that day, half a day on each side (uPlot
+    alone widens a single time point to 1,000 days)."""
+    with psycopg.connect(server.send_log_dsn) as conn:
+        days = conn.execute("select distinct (sent_at at time zone 'UTC')::date from mail.send_log"
+                            " where campaign = 'first_practice' and status = 'sent'").fetchall()
+    assert len(days) == 1
+    day = datetime(days[0][0].year, days[0][0].month, days[0][0].day, tzinfo=UTC).timestamp()
+    context, page = open_page(server, browser, "campaigns/first_practice")
+    try:
+        page.locator('#charts[data-ready="true"]').wait_for(timeout=15_000)
+        sends = page.locator("#chart-sends")
+        assert sends.get_attribute("data-unit") == "day" and sends.get_attribute("data-points") == "1"
+        assert (float(sends.get_attribute("data-scale-min") or 0), float(sends.get_attribute("data-scale-max") or 0)) == (
+            day - 43200, day + 43200)
+        page.screenshot(path=str(ARTIFACTS / "one_day.png"), full_page=True)
+    finally:
+        context.close()
+
+
+def test_the_campaign_list_fits_a_1280_px_window(server: Server, browser: Any) -> None:
+    context, page = open_page(server, browser, "", width=1280)
+    try:
+        page.locator(f'tr[data-campaign="{CAMPAIGN}"]').wait_for()
+        widths = page.evaluate("({doc: document.documentElement.scrollWidth, view: document.documentElement.clientWidth,"
+                               " table: document.querySelector('#campaigns').getBoundingClientRect().right,"
+                               " eta: document.querySelector('#campaigns th:last-child').getBoundingClientRect().right})")
+        page.screenshot(path=str(ARTIFACTS / "list_1280.png"), full_page=True)
+        assert widths["doc"] <= widths["view"] <= 1280, widths
+        assert widths["eta"] <= widths["table"] <= widths["view"], widths
+        assert page.locator("#campaigns th:last-child").text_content() == "ETA"
+        assert page.locator("#campaigns th:last-child").is_visible()
+        page.screenshot(path=str(ARTIFACTS / "list_1280.png"), full_page=True)
+    finally:
+        context.close()
+
+
+def shown_rate(value: Any) -> str:
+    """progress.js's rate(): percent with one decimal, two below 1% (toFixed rounds a tie up here)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    v = Decimal(str(value)) * 100
+    return f"{v.quantize(Decimal('0.01' if v < 1 else '0.1'), rounding=ROUND_HALF_UP)}%"
+
+
+def test_the_page_shows_outcome_rates_and_the_guard(server: Server, browser: Any) -> None:
+    """Outcomes of first_practice's emails (as the webhook receiver records them) and a tripped guard:
+    the list and the campaign page show the rates of mail.campaign_outcomes and the guard's reason."""
+    reason = "hard-bounce rate 0.25 over 0.04 (sample 4)"
+    with psycopg.connect(server.send_log_dsn) as conn:
+        ids = [r[0] for r in conn.execute("select id, provider_message_id from mail.send_log where campaign ="
+                                          " 'first_practice' and status = 'sent' order by id limit 4").fetchall()]
+        conn.execute(
+            "insert into mail.delivery_status (send_log_id, provider_message_id, last_event, delivered_at,"
+            " hard_bounced_at, complained_at, outcome)"
+            " select l.id, l.provider_message_id, 'delivered', case when l.id <> %(hb)s then now() end,"
+            " case when l.id = %(hb)s then now() end, case when l.id = %(c)s then now() end,"
+            " case when l.id = %(hb)s then 'hard_bounced' when l.id = %(c)s then 'complained' else 'delivered' end"
+            " from mail.send_log l where l.id = any(%(ids)s)", {"ids": ids, "hb": ids[0], "c": ids[1]})
+        conn.execute("insert into mail.reputation_guard (scope, name, state, tripped_at, reason)"
+                     " values ('campaign', 'first_practice', 'tripped', now(), %s)", (reason,))
+        conn.commit()
+        cur = conn.execute("select delivered_rate, hard_bounce_rate, complaint_rate, sent, delivered, hard_bounced,"
+                           " complained from mail.campaign_outcomes where campaign = 'first_practice'")
+        want = cur.fetchone()
+    assert want is not None and want[4:] == (3, 1, 1) and want[3] > 4
+    expected = {"delivered_rate": shown_rate(want[0]), "hard_bounce_rate": shown_rate(want[1]),
+                "complaint_rate": shown_rate(want[2])}
+    try:
+        context, page = open_page(server, browser, "campaigns/first_practice")
+        try:
+            page.locator('#outcomes [data-field="guard_state"]').wait_for()
+            assert {k: page.locator(f'#outcomes [data-field="{k}"]').text_content() for k in expected} == expected
+            assert page.locator('#outcomes [data-field="guard_state"]').text_content() == "tripped"
+            assert page.locator('#outcomes [data-field="guard_reason"]').text_content() == reason
+            page.screenshot(path=str(ARTIFACTS / "outcomes.png"), full_page=True)
+            listing = context.new_page()
+            listing.goto(f"{server.base_url}/mailflow/")
+            row = listing.locator('tr[data-campaign="first_practice"]')
+            row.wait_for()
+            assert {k: row.locator(f'[data-field="{k}"]').text_content() for k in expected} == expected
+            guard = row.locator('[data-field="guard_state"]')
+            assert (guard.text_content(), guard.get_attribute("title")) == ("tripped", reason)
+            other = listing.locator(f'tr[data-campaign="{CAMPAIGN}"] [data-field="guard_state"]')
+            assert other.text_content() == "ok"
+        finally:
+            context.close()
+    finally:
+        with psycopg.connect(server.send_log_dsn) as conn:
+            conn.execute("delete from mail.reputation_guard")
+            conn.execute("delete from mail.delivery_status where send_log_id = any(%s)", (ids,))

@@ -288,6 +288,8 @@ def create_app(signer: SignerSource, connect: Connect, *, brand: str = "Aptitude
 
     routes = [
         Route("/u/{token:path}", unsubscribe, methods=["GET", "HEAD", "POST"]),
+        # the path links carry (settings.unsubscribe_base_url), as in the Airflow plugin
+        Route(f"{settings.UNSUBSCRIBE_PATH}/u/{{token:path}}", unsubscribe, methods=["GET", "HEAD", "POST"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})

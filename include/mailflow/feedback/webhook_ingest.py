@@ -16,7 +16,6 @@ events, anything new) are stored and decided ``ignored``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import re
@@ -40,6 +39,7 @@ from mailflow.store.outcomes import (
     find_sent,
     recipient_matches,
 )
+from mailflow.store.reputation import evaluate
 from mailflow.store.send_log import mask_email
 from mailflow.store.sql import query
 
@@ -309,23 +309,13 @@ def mark_alerted(conn: psycopg.Connection, svix_ids: list[str]) -> None:
         conn.execute(query("webhooks", "mark_alerted"), {"svix_ids": svix_ids})
 
 
-REPUTATION_MODULE = "mailflow.store.reputation"
-
-
 def guard_reputation(conn: psycopg.Connection, campaigns: Iterable[str]) -> list[Any]:
     """Let the reputation guard evaluate the campaigns that just got outcomes
-    (``mailflow.store.reputation.evaluate(conn, campaigns) -> list[Trip]``); returns its trips.
-
-    The guard lives in its own module; until it is installed this returns [] (the one call site the
-    receiver, the sweep and the poll share). Runs in the caller's connection and transaction.
+    (:func:`mailflow.store.reputation.evaluate`: it trips a campaign or the account over a threshold);
+    returns its trips. The one call site the receiver, the sweep and the poll share. Runs in the
+    caller's connection and transaction; nothing to evaluate: no database work.
     """
     names = sorted(set(campaigns))
     if not names:
         return []
-    try:  # REPUTATION GUARD CALL SITE: a static import once mailflow.store.reputation is merged
-        module = importlib.import_module(REPUTATION_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != REPUTATION_MODULE:
-            raise
-        return []
-    return list(module.evaluate(conn, names))
+    return list(evaluate(conn, names))

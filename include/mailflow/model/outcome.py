@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from mailflow.model.tally import Tally
+
 
 @dataclass(frozen=True)
 class DataInterval:
@@ -149,12 +151,18 @@ Outcome = Accepted | NotSent | Unknown | Refused
 @dataclass
 class CampaignSummary:
     """Counts for one campaign in one run (emails). ``eligible`` is the audience after exclusions at
-    the start of the campaign; ``invalid`` = rows failed locally (address rejected by the validator,
-    no request), ``duplicates`` = rows recorded as ``duplicate`` (another user got the campaign at the
-    same normalised address), ``held`` = users the contact guard left out at mint, without a row (a
-    claim that committed after the audience was read, an address suppressed in a spelling the
-    audience query cannot match, or an address the provider rejected earlier in this run; a later
-    run decides again); ``skipped`` = eligible users not decided (time budget or stop)."""
+    the start of the campaign; ``minted`` = rows requested from the provider; ``sent`` = accepted;
+    ``failed`` = rejected by the provider, by index; ``invalid`` = rows failed locally (address
+    rejected by the validator, no request); ``duplicates`` = rows recorded as ``duplicate`` (another
+    user got the campaign at the same normalised address); ``released`` = rows rolled back (the whole
+    request certainly failed); ``unknown`` = rows left ``sending`` after an ambiguous answer;
+    ``held`` = users the contact guard left out at mint, without a row (a claim that committed after
+    the audience was read, an address suppressed in a spelling the audience query cannot match, or an
+    address the provider rejected earlier in this run; a later run decides again); ``not_reached``
+    (also ``skipped``) = eligible users not decided (time budget or stop), without a row.
+
+    :meth:`emails` counts the rows the run wrote the way every other summary counts the send log
+    (:mod:`mailflow.model.tally`): an invalid address is a ``failed`` row there, of which ``invalid``."""
 
     campaign: str
     eligible: int = 0
@@ -170,24 +178,32 @@ class CampaignSummary:
     held: int = 0
 
     @property
-    def skipped(self) -> int:
+    def not_reached(self) -> int:
+        """Eligible users the run did not decide (no row): time budget or a stop."""
         return max(self.eligible - self.minted - self.invalid - self.duplicates - self.held, 0)
 
+    @property
+    def skipped(self) -> int:
+        """The same as :attr:`not_reached` (users, not the send log's ``skipped`` status)."""
+        return self.not_reached
+
+    def emails(self) -> Tally:
+        """The rows this run wrote, by the send log's columns (:class:`~mailflow.model.tally.Tally`)."""
+        return Tally.of_run(self)
+
     def as_dict(self) -> dict[str, Any]:
+        """The task's return value: the run's own counts (``eligible``, ``minted``, ``held``,
+        ``not_reached``, ``chunks``, ``stopped``) and its rows by the send log's columns
+        (``total``, ``pending`` ... ``rolled_back``: :data:`mailflow.model.tally.COLUMNS`)."""
         return {
             "campaign": self.campaign,
             "eligible": self.eligible,
             "minted": self.minted,
-            "sent": self.sent,
-            "failed": self.failed,
-            "released": self.released,
-            "unknown": self.unknown,
-            "skipped": self.skipped,
+            "held": self.held,
+            "not_reached": self.not_reached,
             "chunks": self.chunks,
             "stopped": self.stopped,
-            "invalid": self.invalid,
-            "duplicates": self.duplicates,
-            "held": self.held,
+            **self.emails().as_dict(),
         }
 
 

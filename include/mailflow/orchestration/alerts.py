@@ -4,13 +4,22 @@ Which notifier is chosen by ``MAILFLOW_ALERT`` (an environment setting, never a 
 
 * ``log`` (default): :class:`LogNotifier`, an ERROR line in the task log;
 * ``smtp:<conn_id>:<to>``: the SMTP provider's ``SmtpNotifier`` through that connection;
-* ``slack:<conn_id>:<channel>``: the Slack provider's ``SlackNotifier`` (if installed).
+* ``slack:<conn_id>:<channel>``: the Slack provider's ``SlackNotifier``; the provider is an optional
+  extra (``pip install 'mailflow[slack]'``, i.e. ``apache-airflow-providers-slack``).
+
+The setting is checked when a DAG file builds its ``default_args`` (:func:`alert_setting`): a
+malformed value or a notifier whose provider is not installed is a DAG import error naming both,
+seen in the UI before any task runs. Should the check pass where the DAGs are parsed but the
+notifier still cannot be built where a callback runs (another image, another worker), the alert
+is written to the task log at ERROR level with the reason: an alert is never lost to an
+ImportError inside a callback.
 
 Messages carry counts, campaign names and masked addresses only.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from datetime import timedelta
@@ -34,31 +43,64 @@ class LogNotifier(BaseNotifier):
         log.error("ALERT: %s", self.message)
 
 
-def notifier(message: str, subject: str = "mailflow alert") -> BaseNotifier:
-    """The configured notifier for ``message`` (see the module docstring).
+class AlertSettingError(ValueError):
+    """``MAILFLOW_ALERT`` is malformed, or names a notifier whose provider is not installed."""
 
-    :raises ValueError: on a malformed ``MAILFLOW_ALERT`` value, naming it.
+
+# kind -> (module, class, what to install); the SMTP provider ships with apache-airflow
+_NOTIFIERS = {
+    "smtp": ("airflow.providers.smtp.notifications.smtp", "SmtpNotifier", "apache-airflow-providers-smtp"),
+    "slack": ("airflow.providers.slack.notifications.slack", "SlackNotifier",
+              "apache-airflow-providers-slack (pip install 'mailflow[slack]')"),
+}
+
+
+def alert_setting(spec: str | None = None) -> tuple[str, str, str, Any]:
+    """Parse and check ``spec`` (default: ``MAILFLOW_ALERT``, else ``log``).
+
+    :returns: ``(kind, conn_id, target, notifier class)`` (a ``BaseNotifier`` subclass); ``("log", "", "", None)`` for ``log``.
+    :raises AlertSettingError: naming the value: not one of the three forms, or the notifier's
+        provider package cannot be imported here (naming the package to install).
     """
-    spec = os.environ.get("MAILFLOW_ALERT", "log").strip()
+    spec = (os.environ.get("MAILFLOW_ALERT", "log") if spec is None else spec).strip() or "log"
     kind, _, rest = spec.partition(":")
-    if kind == "log":
-        return LogNotifier(message)
+    if kind == "log" and not rest:
+        return "log", "", "", None
     conn_id, _, target = rest.partition(":")
-    if not conn_id or not target:
-        raise ValueError(f"MAILFLOW_ALERT={spec!r}: expected log, smtp:<conn_id>:<to> or slack:<conn_id>:<channel>")
-    if kind == "smtp":
-        from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+    if kind not in _NOTIFIERS or not conn_id or not target:
+        raise AlertSettingError(f"MAILFLOW_ALERT={spec!r}: expected log, smtp:<conn_id>:<to> or "
+                                "slack:<conn_id>:<channel>")
+    module, name, package = _NOTIFIERS[kind]
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise AlertSettingError(f"MAILFLOW_ALERT={spec!r} needs {package}, which is not installed in this "
+                                f"environment ({exc})") from exc
+    return kind, conn_id, target, cls
 
-        return SmtpNotifier(to=target, smtp_conn_id=conn_id, subject=subject, html_content=f"<pre>{message}</pre>")
-    if kind == "slack":
-        from airflow.providers.slack.notifications.slack import SlackNotifier
 
-        return SlackNotifier(slack_conn_id=conn_id, channel=target, text=message)
-    raise ValueError(f"MAILFLOW_ALERT={spec!r}: unknown notifier {kind!r}")
+def notifier(message: str, subject: str = "mailflow alert") -> BaseNotifier:
+    """The configured notifier for ``message`` (see the module docstring). Never raises: when the
+    configured notifier cannot be built here, a :class:`LogNotifier` carries the message and says why."""
+    try:
+        kind, conn_id, target, cls = alert_setting()
+        if cls is None:
+            return LogNotifier(message)
+        if kind == "smtp":
+            return cls(to=target, smtp_conn_id=conn_id, subject=subject, html_content=f"<pre>{message}</pre>")
+        return cls(slack_conn_id=conn_id, channel=target, text=message)
+    except Exception as exc:  # the alert matters more than the channel: keep it in the task log
+        log.error("the configured alert channel cannot be used (%s); logging the alert instead", exc)
+        return LogNotifier(message)
 
 
 def default_args(retries: int = 2, retry_delay: timedelta = timedelta(minutes=2)) -> dict[str, Any]:
-    """``default_args`` shared by every mailflow DAG: owner, bounded retries, and the failure alert."""
+    """``default_args`` shared by every mailflow DAG: owner, bounded retries, and the failure alert.
+
+    :raises AlertSettingError: when ``MAILFLOW_ALERT`` cannot work here (see :func:`alert_setting`),
+        so the DAG file fails to import with that message instead of a callback failing later.
+    """
+    alert_setting()
     return {"owner": "data-eng", "retries": retries, "retry_delay": retry_delay,
             "on_failure_callback": task_failure_alert}
 
@@ -124,3 +166,42 @@ def key_refused_alert(refused: list[dict[str, Any]], context: Any) -> None:
                 "'Rotating the API key'); past their idempotency window they become dead letters.",
                 [f"batch {r['key']} campaign={r['campaign']} key={r['key_identity']}" for r in refused],
                 f"mailflow: a previous API key was refused ({len(refused)} batch(es))", context)
+
+
+# -- Deadline Alerts (Airflow 3.1+, experimental there): a run that has not finished in time -----------------
+
+LIFECYCLE_DEADLINE = timedelta(minutes=45)
+"""An hourly lifecycle run still unfinished 45 min after it was queued leaves the next hour's run
+no room (``max_active_runs=1``): someone should look before the hours pile up."""
+DISPATCH_DEADLINE = timedelta(minutes=5)
+"""A minutely dispatch run (a 50 s budget) still unfinished 5 min after it was queued means
+scheduled emails go out late: the next runs wait behind it."""
+
+
+def deadline(interval: timedelta, what: str) -> Any:
+    """A ``DeadlineAlert`` for a DAG: ``interval`` after the run was queued, :func:`deadline_missed`
+    runs in the triggerer with ``what`` (a sentence naming the consequence).
+
+    ``None`` (no deadline) when ``MAILFLOW_DEADLINE_ALERTS`` is ``0``/``false``/``no``/``off``:
+    ``airflow dags test`` (``dag.test()``) of Airflow 3.3.2 fails when a run of a DAG with Deadline
+    Alerts ends, so the demo and the test suite turn them off; the scheduler handles them."""
+    if os.environ.get("MAILFLOW_DEADLINE_ALERTS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from airflow.sdk.definitions.callback import AsyncCallback
+    from airflow.sdk.definitions.deadline import DeadlineAlert, DeadlineReference
+
+    return DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=interval,
+                         callback=AsyncCallback(f"{__name__}.deadline_missed", kwargs={"what": what}))
+
+
+async def deadline_missed(what: str, context: Any = None, **_: Any) -> None:
+    """Deadline Alert callback (in the triggerer): one alert through the configured notifier naming
+    the DAG and run (from ``context`` when Airflow passes it) and ``what``; never raises."""
+    import asyncio
+
+    ctx = context or {}
+    dag_run = ctx.get("dag_run")
+    where = f"{getattr(dag_run, 'dag_id', None) or ctx.get('dag_id', '?')}/{getattr(dag_run, 'run_id', None) or '?'}"
+    message = f"deadline missed: {where}: {what}"
+    # notifiers are synchronous (SMTP, Slack's web client): off the triggerer's event loop
+    await asyncio.to_thread(lambda: notifier(message, subject=f"mailflow: deadline missed ({where})")(ctx))

@@ -16,6 +16,7 @@ from mailflow import settings
 from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_secret
 from mailflow.masking import mask_connection
 from mailflow.model.outcome import DataInterval, RunContext
+from mailflow.orchestration import metrics
 
 if TYPE_CHECKING:
     from mailflow.feedback.deliverability import FeedbackSummary
@@ -123,7 +124,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
     campaigns = campaigns_param(params)
-    renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
+    renderer = Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url())
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
     budget = float(params.get("time_budget_seconds", 240))
     if not params.get("dry_run"):
@@ -152,13 +153,17 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
         except SendError as exc:
             for s in exc.summaries:
                 log.error("summary: %s", s.as_dict())
+            metrics.campaign_outcomes([s.as_dict() for s in exc.summaries], _dag_id(context))
             raise
         finally:
             client.close()
             if apply_conn is not None:
                 apply_conn.close()
             log.info("provider requests: %s", client.stats)
-    return [s.as_dict() for s in summaries]
+            metrics.provider_requests(client.stats, _dag_id(context))
+    out = [s.as_dict() for s in summaries]
+    metrics.campaign_outcomes(out, _dag_id(context))
+    return out
 
 
 def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
@@ -195,9 +200,15 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
         log.warning("the provider's circuit breaker is open: its probe was not answered; senders mint and claim "
                     "nothing new (docs/operations.md, 'Circuit breaker')")
     dead_letter_alert(summary.dead_letters, context)
+    metrics.dead_letters(summary.dead_letters, _dag_id(context))
     held_batch_alert(summary.held, context)
     key_refused_alert(summary.key_refused, context)
     return summary.as_dict()
+
+
+def _dag_id(context: Mapping[str, Any]) -> str:
+    ti = context.get("ti") or context.get("task_instance")
+    return str(getattr(ti, "dag_id", None) or getattr(context.get("dag"), "dag_id", None) or "unknown")
 
 
 def _run_context(context: Mapping[str, Any]) -> RunContext:
@@ -232,8 +243,9 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     from mailflow.store.migrate import require_current
 
     params = context["params"]
+    metrics.dispatch_lateness(context.get("data_interval_end"), datetime.now(UTC), _dag_id(context))
     budget = budget_fits(context, float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)))
-    renderer = Renderer(unsubscribe_signer(), settings.public_url(), settings.app_url())
+    renderer = Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url())
     with send_log_connection() as conn:
         require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
@@ -245,7 +257,10 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
         finally:
             client.close()
             log.info("provider requests: %s", client.stats)
-    return summary.as_dict()
+            metrics.provider_requests(client.stats, _dag_id(context))
+    out = summary.as_dict()
+    metrics.dispatch_outcomes(out, _dag_id(context))
+    return out
 
 
 def _poll_or_fail(conn: psycopg.Connection, client: ResendClient, **kw: Any) -> FeedbackSummary:
@@ -287,13 +302,13 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
     start, end = context.get("data_interval_start"), context.get("data_interval_end")
     interval = (end - start).total_seconds() if start is not None and end is not None and end > start \
         else POLL_INTERVAL_SECONDS
-    hook = ResendHook(settings.FEEDBACK_CONN_ID)
-    max_requests = request_budget(float(hook.settings()["requests_per_second"]),
-                                  float(params.get("rate_share", 0.01)), interval)
     started = time.monotonic()
     with send_log_connection() as conn:
         conn.autocommit = True
         require_current(conn)
+        hook = ResendHook(settings.FEEDBACK_CONN_ID)
+        max_requests = request_budget(float(hook.settings()["requests_per_second"]),
+                                      float(params.get("rate_share", 0.01)), interval)
         client = hook.get_conn()
         try:
             summary = _poll_or_fail(
@@ -310,6 +325,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
         finally:
             client.close()
             log.info("provider requests: %s (%.1f s)", client.stats, time.monotonic() - started)
+            metrics.provider_requests(client.stats, _dag_id(context))
     if summary.alerts:
         from mailflow.orchestration.alerts import feedback_alert
 

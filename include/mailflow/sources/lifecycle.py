@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from functools import partial
 
@@ -41,6 +41,7 @@ from mailflow.sendloop.engine import (
     stamp_identity,
 )
 from mailflow.sendloop.render import Renderer
+from mailflow.store import reputation
 from mailflow.store.send_log import Store
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,12 @@ def run_lifecycle(
     campaign (its summary's ``stopped`` names the field; a chunk of it already minted is released
     uncharged) and the next campaigns go on, the task failing at the end.
 
+    The reputation guard (:func:`mailflow.store.reputation.blocked`, asked with the store's connection
+    at each campaign's turn and before each of its chunks is minted): a campaign whose own scope or
+    the provider account is tripped is skipped, its summary's ``stopped`` naming the rates and the
+    sample; the run goes on with the others and does not fail for it (the trip alerted once; a person
+    resumes it).
+
     ``pipelined`` (the Airflow task turns it on, :func:`mailflow.settings.pipelined`): chunk N+1 is
     paged, minted, rendered and stored while chunk N is in flight (:class:`ChunkPipeline`; the
     budget is still checked before each mint); at most two chunks are exposed to a crash, both
@@ -108,6 +115,8 @@ def run_lifecycle(
     state = _RunState()
     conn = getattr(store, "conn", None)
     state.breaker = breaker or (CircuitBreaker.for_run(conn, provider, run) if conn is not None else None)
+    if conn is not None:
+        state.guard = partial(reputation.blocked, conn)
     open_audience = getattr(store, "open_audience", None)
     close_audience = getattr(store, "close_audience", None)
     pipe = ChunkPipeline(store, provider, run, enabled=pipelined, apply_store=apply_store)
@@ -118,6 +127,12 @@ def run_lifecycle(
             window = campaign.window(interval)
             cooldown_since = interval.end - campaign.cooldown
             try:
+                if state.guard is not None and (held := state.guard(campaign.name)) is not None:
+                    # the reputation guard stopped this campaign (or the account): a person resumes it;
+                    # its audience is not evaluated, nobody is charged, the other campaigns go on
+                    summary.stopped = held
+                    log.warning("%s: skipped: %s", campaign.name, held)
+                    continue
                 if state.stop in (None, "time budget") and not _can_start(provider, clock, deadline):
                     # the budget will not start it: no snapshot (at 1M users one costs up to
                     # seconds past a budget already spent), so its audience is not counted
@@ -174,6 +189,8 @@ class _RunState:
     breaker: CircuitBreaker | None = None
     #: campaigns stopped on their own (the provider refused one of their fields): the run goes on
     refused: set[str] = dataclasses.field(default_factory=set)
+    #: why a campaign may not send now (the reputation guard, :func:`mailflow.store.reputation.blocked`)
+    guard: Callable[[str], str | None] | None = None
 
     def halted(self, campaign: str) -> bool:
         """Whether ``campaign`` must mint or send nothing more: the run stopped, or that campaign did."""
@@ -224,6 +241,10 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             return
         if state.breaker is not None and state.breaker.admit(provider, deadline, clock) is not None:
             summary.stopped = state.stop = CIRCUIT_OPEN  # nothing minted: nobody is charged
+            return
+        if state.guard is not None and (held := state.guard(campaign.name)) is not None:
+            summary.stopped = held  # tripped while the campaign was sending: nothing more is minted
+            log.warning("%s: stopped: %s", campaign.name, held)
             return
         minted = store.mint_chunk(
             campaign, window, cooldown_since, after=cursor, limit=chunk_size, run=run,

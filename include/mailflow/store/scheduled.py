@@ -176,6 +176,16 @@ class ScheduledStore:
         return self._run("claim_rows", {**who, "ids": list(ids), "emails": list(emails),
                                         "keys": list(keys)}).fetchall()
 
+    def canaries_waiting(self) -> list[str]:
+        """Names of the scheduled campaigns whose canary is fixed and not released yet."""
+        return [str(r[0]) for r in self._run("canaries_waiting", {}).fetchall()]
+
+    def release_canaries(self, actor: str | None) -> list[tuple[str, int, int]]:
+        """Release the rest of every campaign whose canary is in and that the reputation guard does not
+        trip (``release_canaries``: the rule is the statement's comment); ``(name, canary emails sent,
+        of them with an outcome)`` per campaign released."""
+        return [(str(n), int(s), int(o)) for n, s, o in self._run("release_canaries", {"actor": actor}).fetchall()]
+
     def db_now(self) -> datetime:
         """The database's ``now()`` (the transaction's start, aware)."""
         row = self.conn.execute("select now()").fetchone()

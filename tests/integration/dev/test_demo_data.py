@@ -380,7 +380,7 @@ def test_audience_sizes_at_lifecycle_windows(conn: psycopg.Connection[Any]) -> N
         ids = {r["user_id"] for r in conn.execute(_audience_sql(name), params).fetchall()}
         sizes[name] = len(ids)
         everyone |= ids
-    # Deterministic for seed 42 / 5,000 users / this anchor (Faker pinned in requirements.txt).
+    # Deterministic for seed 42 / 5,000 users / this anchor (Faker pinned in requirements-dev.txt).
     assert sizes == {"finish_assessment": 301, "first_practice": 293, "upgrade_offer": 2992, "practice_tips": 3493}
     assert len(everyone) == 4162
 

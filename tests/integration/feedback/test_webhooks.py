@@ -207,7 +207,8 @@ def test_the_database_down_answers_503_and_acknowledges_nothing(wdb: psycopg.Con
     assert inbox(wdb) == [] and suppressions(wdb) == []
 
     # the receiver's connection dies between requests: that group 503, the next one reconnects
-    quiet = GroupWriter(connect_factory(db_dsn), sweep_every=0, guard_every=3600)  # no other use of the connection
+    # one lane, and no other use of its connection
+    quiet = GroupWriter(connect_factory(db_dsn), lanes=1, sweep_every=0, guard_every=3600)
     app = create_app([SECRET], connect_factory(db_dsn), writer=quiet)
     with TestClient(app, raise_server_exceptions=False) as c:
         assert post(c, envelope("delivered", "em_1", "user1@example.com"), svix_id="msg_1").status_code == 200

@@ -123,6 +123,8 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "page: recent": (progress.RECENT_SQL, {"campaign": "practice_tips", "limit": 20}),
     "page: errors": (progress.ERRORS_SQL, {"campaign": "practice_tips", "limit": 20}),
     "page: days": (progress.DAYS_SQL, {"campaign": "practice_tips", "days": 14}),
+    "page: outcomes, all": (progress.OUTCOMES_ALL_SQL, {}),
+    "page: outcomes, one": (progress.OUTCOMES_ONE_SQL, {"campaign": "practice_tips"}),
     "page: sends per minute, all": (progress.PER_MINUTE_SQL, {"since": "2 hours", "campaign": None}),
     "page: sends per minute, one": (progress.PER_MINUTE_SQL, {"since": "2 hours", "campaign": "practice_tips"}),
     "page: sends per day, all": (progress.PER_DAY_ALL_SQL, {"since": "30 days"}),

@@ -94,7 +94,9 @@ def test_migrate_twice_and_require_current(fresh: str) -> None:
 #: send_log_sent_idx (its readers use mail.sent_email and send_log_campaign_sent_idx); 0012 replaced
 #: 0001's live key (user_id, campaign) by the same key campaign first (the snapshot's dedupe reads one
 #: campaign's range); 0018 added the contact guard's mailbox probe (send_log_mailbox_idx: the
-#: contact policy counts every user's emails at a mailbox, as send_log_contact_idx does per user).
+#: contact policy counts every user's emails at a mailbox, as send_log_contact_idx does per user); 0021
+#: added the row id to send_log_campaign_sent_idx (the outcome views join delivery_status without a heap
+#: visit) and widened send_log_cancelled_idx to duplicate and skipped rows (counted by the progress view).
 SEND_LOG_INDEXES = {
     "send_log_pkey": "CREATE UNIQUE INDEX send_log_pkey ON mail.send_log USING btree (id)",
     "send_log_campaign_user_uq": "CREATE UNIQUE INDEX send_log_campaign_user_uq ON mail.send_log USING btree"
@@ -116,12 +118,13 @@ SEND_LOG_INDEXES = {
     "send_log_campaign_minted_cover_idx": "CREATE INDEX send_log_campaign_minted_cover_idx ON mail.send_log USING btree"
                                           " (campaign, minted_at) INCLUDE (user_id, kind)",
     "send_log_campaign_sent_idx": "CREATE INDEX send_log_campaign_sent_idx ON mail.send_log USING btree"
-                                  " (campaign, sent_at) INCLUDE (user_id, kind) WHERE (status = 'sent'::text)",
+                                  " (campaign, sent_at) INCLUDE (user_id, kind, id) WHERE (status = 'sent'::text)",
     "send_log_failed_idx": "CREATE INDEX send_log_failed_idx ON mail.send_log USING btree (campaign, minted_at)"
                            " INCLUDE (user_id, kind, claimed_at, released_at, dead_lettered_at)"
                            " WHERE (status = 'failed'::text)",
     "send_log_cancelled_idx": "CREATE INDEX send_log_cancelled_idx ON mail.send_log USING btree (campaign, minted_at)"
-                              " INCLUDE (user_id, kind) WHERE (status = 'cancelled'::text)",
+                              " INCLUDE (user_id, kind, status)"
+                              " WHERE (status = ANY (ARRAY['cancelled'::text, 'duplicate'::text, 'skipped'::text]))",
     "send_log_user_idx": "CREATE INDEX send_log_user_idx ON mail.send_log USING btree (user_id)",
     "send_log_run_idx": "CREATE INDEX send_log_run_idx ON mail.send_log USING btree (run_id, campaign)"
                         " WHERE (run_id IS NOT NULL)",
@@ -363,7 +366,7 @@ def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytes
     import pendulum
     context = {"params": {"campaign_id": 1}, "ti": TI(), "data_interval_start": pendulum.datetime(2026, 1, 1),
                "data_interval_end": pendulum.datetime(2026, 1, 1, 1)}
-    for call in (tasks.lifecycle, tasks.reconcile_send_log, tasks.feedback_task,
+    for call in (tasks.lifecycle, tasks.reconcile_send_log, tasks.feedback_task, tasks.webhook_sweep_task,
                  tasks.provision_task, tasks.dispatch_task):
         with pytest.raises(SchemaNotCurrent, match="0004_analytics.sql"):
             call(context)

@@ -22,8 +22,19 @@ DAYS = 14
 
 LIST_SQL = "select * from mail.campaign_progress order by campaign"
 ONE_SQL = "select * from mail.campaign_progress where campaign = %(campaign)s"
+# Outcomes after sending and the reputation guard (migration 0021), merged into each progress row.
+OUTCOMES_ALL_SQL = """
+select campaign, delivered, hard_bounced, complained, no_outcome_yet, delivered_rate, hard_bounce_rate,
+       complaint_rate, open_rate, click_rate, guard_state, guard_reason, account_guard_state, account_guard_reason
+from mail.campaign_outcomes
+"""
+OUTCOMES_ONE_SQL = OUTCOMES_ALL_SQL + "where campaign = %(campaign)s\n"
+#: What a campaign without a sent email shows (no rates yet; the guard has not tripped).
+NO_OUTCOMES = {"delivered": 0, "hard_bounced": 0, "complained": 0, "no_outcome_yet": 0, "delivered_rate": None,
+               "hard_bounce_rate": None, "complaint_rate": None, "open_rate": None, "click_rate": None,
+               "guard_state": "ok", "guard_reason": None, "account_guard_state": "ok", "account_guard_reason": None}
 DAYS_SQL = """
-select day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users
+select day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users, duplicate, skipped
 from mail.campaign_daily where campaign = %(campaign)s order by day desc limit %(days)s
 """
 RECENT_SQL = """
@@ -184,9 +195,31 @@ def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any] | None = No
         return [{k: plain_value(v) for k, v in r.items()} for r in cur.fetchall()]
 
 
+def _with_outcomes(conn: psycopg.Connection, progress: list[dict[str, Any]], name: str | None = None) -> None:
+    """Add each campaign's outcome rates and guard state (``mail.campaign_outcomes``) to its progress row."""
+    found = {o.pop("campaign"): o for o in _rows(conn, OUTCOMES_ONE_SQL if name else OUTCOMES_ALL_SQL,
+                                                 {"campaign": name} if name else None)}
+    account = next(iter(found.values()), None)
+    if account is None:  # no sent email anywhere yet: the account guard's state still shows
+        account = _rows(conn, ACCOUNT_GUARD_SQL)[0]
+    for p in progress:
+        p.update(found.get(p["campaign"], NO_OUTCOMES | {
+            "account_guard_state": account["account_guard_state"],
+            "account_guard_reason": account["account_guard_reason"]}))
+
+
+ACCOUNT_GUARD_SQL = """
+select case when count(*) > 0 then 'tripped' else 'ok' end as account_guard_state,
+       string_agg(name || ': ' || reason, '; ' order by name) as account_guard_reason
+from mail.reputation_guard where scope = 'account' and state = 'tripped'
+"""
+
+
 def load_list(conn: psycopg.Connection) -> dict[str, Any]:
-    """Every campaign's progress (``mail.campaign_progress``) and whether any is active."""
+    """Every campaign's progress (``mail.campaign_progress``) with its outcome rates and guard state
+    (``mail.campaign_outcomes``), and whether any is active."""
     campaigns = _rows(conn, LIST_SQL)
+    _with_outcomes(conn, campaigns)
     return {"campaigns": campaigns, "active": any(c["active"] for c in campaigns)}
 
 
@@ -196,6 +229,7 @@ def load_campaign(conn: psycopg.Connection, name: str, *, show: bool, days: bool
     found = _rows(conn, ONE_SQL, {"campaign": name})
     if not found:
         return None
+    _with_outcomes(conn, found, name)
     params = {"campaign": name, "limit": RECENT_LIMIT, "days": DAYS}
     recent = _rows(conn, RECENT_SQL, params)
     errors = _rows(conn, ERRORS_SQL, params)

@@ -57,6 +57,8 @@ class DispatchSummary:
     sent_by_campaign: dict[str, int] = field(default_factory=dict)
     #: campaigns paused by this call because the campaign itself was at fault: name -> reason
     paused: dict[str, str] = field(default_factory=dict)
+    #: campaigns whose canary was in: the rest of their rows was released by this call
+    canaries_released: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""

@@ -22,6 +22,7 @@ from mailflow.sources.scheduled.campaign_db import (
     used_on_day,
 )
 from mailflow.sources.scheduled.planning import plan_after, plan_spec
+from mailflow.store import reputation
 from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
@@ -156,3 +157,24 @@ def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
         reason = ScheduledStore(conn).pause_reason(campaign_id) if c["status"] == "paused" else None
     out = {**c, "rows": counts, "paused_reason": reason}
     return json.loads(json.dumps(out, default=json_default))
+
+
+def resume_reputation(conn: psycopg.Connection, scope: str, name: str, *, actor: str,
+                      reason: str) -> dict[str, Any]:
+    """A person resumes what the reputation guard stopped (:func:`mailflow.store.reputation.resume`):
+    the scope (``campaign`` or ``account``) becomes ok, and every scheduled campaign the guard paused
+    that nothing trips any more resumes by :func:`resume` (overdue rows re-planned from now, so no
+    burst), all in one transaction. Shared by ``mailflow reputation resume`` and the ``resume_sending``
+    DAG.
+
+    :returns: ``{"scope", "name", "changed", "resumed_at" (ISO text or None), "unpaused": [names]}``.
+    :raises ValueError: for an unknown scope or an empty ``actor`` / ``reason``.
+    :raises LookupError: if the guard never evaluated that scope.
+    """
+    if not reason or not reason.strip():
+        raise ValueError("resuming after a reputation trip needs a reason (recorded with who resumed)")
+    with conn.transaction():
+        done = reputation.resume(conn, scope, name, actor, reason,
+                                 unpause=lambda c, cid, who: resume(c, cid, actor=who))
+    return {"scope": done.scope, "name": done.name, "changed": done.changed,
+            "resumed_at": done.resumed_at.isoformat() if done.resumed_at else None, "unpaused": list(done.unpaused)}

@@ -27,6 +27,8 @@ from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import actor_name
 from mailflow.sources.scheduled.claiming import Claim, Dispatcher, DispatchSummary
 from mailflow.sources.scheduled.control import complete, hold
+from mailflow.store import reputation
+from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,25 @@ DISPATCH_BUDGET_SECONDS = 50.0  # one run of the 1-minute dispatch DAG (leaves ~
 COALESCE_SECONDS = 5.0  # a due row waits at most this long for others to share its request
 POLL_SECONDS = 5.0  # while sleeping towards the next due row, look again this often
 SEND_GRACE_SECONDS = 60.0  # a claimed batch may still wait this long past the budget (pacing, 429)
+
+
+def release_canaries(conn: psycopg.Connection, actor: str | None) -> list[str]:
+    """Release the rest of the campaigns whose canary is in (docs/operations.md, "Reputation guard"):
+    first the reputation guard evaluates the waiting campaigns (so a canary that bounced trips and
+    pauses its campaign instead of being released), then ``ScheduledStore.release_canaries`` releases
+    those whose canary rows are all sent and have enough outcomes (or waited long enough) and that
+    nothing trips. Its own transactions; returns the names released."""
+    with conn.transaction():
+        waiting = ScheduledStore(conn).canaries_waiting()
+    if not waiting:
+        return []
+    reputation.evaluate(conn, waiting)
+    with conn.transaction():
+        released = ScheduledStore(conn).release_canaries(actor)
+    for name, sent, with_outcome in released:
+        log.info("campaign %s: canary released (%d sent, %d with an outcome): the rest is dispatched as planned",
+                 name, sent, with_outcome)
+    return [name for name, _, _ in released]
 
 
 def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
@@ -56,6 +77,10 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     ``PostgresStore.apply`` (docs/model.md: a request proven not processed returns its rows to
     ``pending`` without charging them and stops the run; rows of an ambiguous request keep their
     key and bytes for the reconciler). Campaigns left with nothing to send are completed at the end.
+
+    Holds enforced by the claim statements: a campaign the reputation guard tripped (or every one
+    while the account is tripped) is never claimed, and a campaign with a canary gives only its canary
+    rows until :func:`release_canaries` (run at the start of each call) releases the rest.
 
     One campaign never stops the others: a claim that raises for one campaign (e.g. its template
     is missing) is rolled back, and a batch the provider refuses for a field of the campaign
@@ -97,6 +122,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     pipe = ChunkPipeline(d.store, provider, run, enabled=pipelined)
     breaker = breaker or CircuitBreaker.for_run(conn, provider, run)
     actor = actor_name(run, "dispatcher")
+    summary.canaries_released = release_canaries(conn, actor)
 
     def pause_campaign(name: str, reason: str) -> None:
         """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""

@@ -8,7 +8,7 @@ import json
 import re
 import tomllib
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,12 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     "14:00-17:00"], local), ``start_at`` (aware datetime or ISO text; default now), ``marketing``
     (true), ``on_policy`` (``defer``: a due email the contact policy holds back moves to the first
     planned slot after the window; ``skip``: it becomes ``skipped`` with the reason; ``ignore``: it
-    is sent anyway, for transactional mail; default defer), and exactly one recipient source: ``recipients_sql`` (a file name in
+    is sent anyway, for transactional mail; default defer), optionally a canary: ``canary_share`` (a
+    fraction in (0, 1): that share of the rows, the first in plan order, is sent first and the rest is
+    held until its outcomes are in), ``canary_min_outcome_share`` ((0, 1], default 0.9: the share of
+    the canary's sent emails that must have an outcome) and ``canary_max_wait_minutes`` (> 0, default
+    60: release anyway this long after the canary's last send; docs/operations.md, "Reputation
+    guard"), and exactly one recipient source: ``recipients_sql`` (a file name in
     ``campaigns/recipients/``), ``recipients_table`` (``schema.table`` with user_id, email,
     first_name columns) or ``recipients_csv`` (a CSV file with user_id, email, first_name and any
     extra columns, uploaded into ``mail.campaign_recipient``; relative to ``base_dir``).
@@ -110,6 +115,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     on_policy = str(spec.get("on_policy", "defer"))
     if on_policy not in ON_POLICY:
         raise ValueError(f"campaign {label!r}: on_policy must be one of {', '.join(ON_POLICY)}, got {on_policy!r}")
+    canary = canary_fields(spec, label)
     recipients_sql = recipients_table = None
     if spec.get("recipients_sql"):
         recipients_sql = recipients_file(str(spec["recipients_sql"]), label).stem
@@ -126,7 +132,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
             "template": str(spec["template"]), "subject": str(spec["subject"]), "from_address": str(spec["from"]),
             "reply_to": spec.get("reply_to"), "recipients_sql": recipients_sql,
             "recipients_table": recipients_table, "marketing": bool(spec.get("marketing", True)),
-            "on_policy": on_policy,
+            "on_policy": on_policy, **canary,
         })
         record_event(conn, campaign_id, None, "draft", actor, spec={k: str(v) for k, v in spec.items()})
         if spec.get("recipients_csv"):
@@ -135,6 +141,40 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
                 path = base_dir / path
             upload_recipients(conn, campaign_id, path)
     return campaign_id
+
+
+def canary_fields(spec: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """The ``campaign_insert`` canary parameters of a spec: ``canary_share`` (None: no canary),
+    ``canary_min_outcome_share`` (default 0.9), ``canary_max_wait`` (a timedelta; default 60 minutes).
+
+    :raises ValueError: naming the campaign and the field, for a value that is not a number in range,
+        or canary parameters without a ``canary_share``.
+    """
+    def number(key: str, default: float | None) -> float | None:
+        raw = spec.get(key)
+        if raw is None:
+            return default
+        if isinstance(raw, bool):
+            raise ValueError(f"campaign {label!r}: {key} must be a number, got {raw!r}")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"campaign {label!r}: {key} must be a number, got {raw!r}") from None
+
+    share = number("canary_share", None)
+    min_share = number("canary_min_outcome_share", 0.9)
+    wait = number("canary_max_wait_minutes", 60.0)
+    assert min_share is not None and wait is not None
+    if share is None and any(spec.get(k) is not None for k in ("canary_min_outcome_share", "canary_max_wait_minutes")):
+        raise ValueError(f"campaign {label!r}: canary_min_outcome_share and canary_max_wait_minutes need a canary_share")
+    if share is not None and not 0 < share < 1:
+        raise ValueError(f"campaign {label!r}: canary_share must be a fraction between 0 and 1 (e.g. 0.05 for the "
+                         f"first 5%), got {share!r}")
+    if not 0 < min_share <= 1:
+        raise ValueError(f"campaign {label!r}: canary_min_outcome_share must be in (0, 1], got {min_share!r}")
+    if not wait > 0:
+        raise ValueError(f"campaign {label!r}: canary_max_wait_minutes must be positive, got {wait!r}")
+    return {"canary_share": share, "canary_min_outcome_share": min_share, "canary_max_wait": timedelta(minutes=wait)}
 
 
 def upload_recipients(conn: psycopg.Connection, campaign_id: int, path: Path) -> int:

@@ -18,11 +18,15 @@
 
   const COUNTS = [
     ["total", "Total"], ["pending", "Pending"], ["sending", "Sending"], ["sent", "Sent"], ["failed", "Failed"],
-    ["cancelled", "Cancelled"], ["rolled_back", "Rolled back"], ["dead_lettered", "Dead letters"],
+    ["cancelled", "Cancelled"], ["duplicate", "Duplicate"], ["skipped", "Skipped"], ["invalid", "of failed: invalid"],
+    ["rolled_back", "Rolled back"], ["dead_lettered", "Dead letters"],
     ["percent_done", "Done %"], ["send_rate_per_min", "Rate /min"], ["eta", "ETA"], ["next_due_at", "Next due"],
     ["last_sent_at", "Last sent"],
   ];
-  const LIST = ["total", "pending", "sending", "sent", "failed", "cancelled", "rolled_back", "dead_lettered"];
+  // the columns every summary shows (mailflow.model.tally): the states add up to total
+  const LIST = ["total", "pending", "sending", "sent", "failed", "cancelled", "duplicate", "skipped", "rolled_back",
+    "dead_lettered"];
+  const RATES = [["delivered_rate", "Delivered"], ["hard_bounce_rate", "Hard bounces"], ["complaint_rate", "Complaints"]];
 
   function setLive(state, text) {
     live.dataset.state = state;
@@ -61,6 +65,31 @@
     td.appendChild(document.createTextNode(`${Number(value).toFixed(1)}%`));
   }
 
+  function rate(v) {
+    return v === null || v === undefined ? "-" : `${(Number(v) * 100).toFixed(Number(v) < 0.01 ? 2 : 1)}%`;
+  }
+
+  // The guard: "ok", or "tripped" with the reason (the campaign's own, else a provider account's).
+  function guard(p) {
+    if (p.guard_state === "tripped") return ["tripped", p.guard_reason || ""];
+    if (p.account_guard_state === "tripped") return ["tripped", `account: ${p.account_guard_reason || ""}`];
+    return ["ok", ""];
+  }
+
+  function guardCell(tr, p) {
+    const [state, reason] = guard(p);
+    const td = cell(tr, state, `guard-${state}`, "guard_state");
+    if (reason) td.title = reason;
+    return td;
+  }
+
+  function shortWhen(iso) {
+    if (!iso) return "";
+    const d = new Date(iso);
+    return isNaN(d) ? String(iso) : d.toLocaleString(undefined, { month: "short", day: "numeric", hour: "2-digit",
+                                                                    minute: "2-digit" });
+  }
+
   function renderList(data) {
     const rows = data.campaigns || [];
     document.getElementById("empty").hidden = rows.length > 0;
@@ -74,12 +103,14 @@
       a.textContent = c.campaign;
       td.appendChild(a);
       tr.appendChild(td);
-      cell(tr, c.kind);
-      cell(tr, c.campaign_status || (c.kind === "lifecycle" ? "hourly" : ""));
+      cell(tr, `${c.kind}: ${c.campaign_status || (c.kind === "lifecycle" ? "hourly" : "")}`, "kind", "kind");
       LIST.forEach((k) => cell(tr, c[k], "n", k));
       pct(cell(tr, "", "", "percent_done"), c.percent_done);
       cell(tr, c.send_rate_per_min, "n", "send_rate_per_min");
-      cell(tr, c.eta ? when(c.eta) : (c.active ? "unknown" : ""), "", "eta");
+      RATES.forEach(([k]) => cell(tr, rate(c[k]), "n", k));
+      guardCell(tr, c);
+      const eta = cell(tr, c.eta ? shortWhen(c.eta) : (c.active ? "unknown" : ""), "", "eta");
+      if (c.eta) eta.title = when(c.eta);
     });
   }
 
@@ -101,10 +132,35 @@
       return div;
     }));
     document.getElementById("bar-fill").style.width = `${Number(p.percent_done) || 0}%`;
+    const [gstate, greason] = guard(p);
+    const outcomes = document.getElementById("outcomes");
+    outcomes.replaceChildren(...RATES.map(([k, label]) => {
+      const div = document.createElement("div");
+      const dt = document.createElement("dt");
+      dt.textContent = `${label} (of sent)`;
+      const dd = document.createElement("dd");
+      dd.dataset.field = k;
+      dd.textContent = rate(p[k]);
+      div.append(dt, dd);
+      return div;
+    }), (() => {
+      const div = document.createElement("div");
+      div.className = `guard guard-${gstate}`;
+      const dt = document.createElement("dt");
+      dt.textContent = "Reputation guard";
+      const dd = document.createElement("dd");
+      dd.dataset.field = "guard_state";
+      dd.textContent = gstate;
+      const why = document.createElement("p");
+      why.dataset.field = "guard_reason";
+      why.textContent = greason;
+      div.append(dt, dd, why);
+      return div;
+    })());
     if (data.days) {
       fill(document.querySelector("#days tbody"), data.days, (tr, d) => {
         cell(tr, d.day);
-        ["minted", "sent", "failed", "rolled_back", "cancelled", "dead_lettered", "unique_users"]
+        ["minted", "sent", "failed", "rolled_back", "cancelled", "duplicate", "skipped", "dead_lettered", "unique_users"]
           .forEach((k) => cell(tr, d[k], "n", k));
       });
     }
@@ -142,7 +198,13 @@
     el.replaceChildren();
     Object.assign(el.dataset, meta);
     if (typeof uPlot === "undefined") { el.textContent = "chart library missing"; return; }
-    charts[key] = new uPlot({ width: chartWidth(el), height: 240, ...opts }, data, el);
+    // the x range the chart really drew (epoch seconds), for tests and for reading the page
+    const shown = (u, scale) => {
+      if (scale !== "x") return;
+      el.dataset.scaleMin = String(u.scales.x.min);
+      el.dataset.scaleMax = String(u.scales.x.max);
+    };
+    charts[key] = new uPlot({ width: chartWidth(el), height: 240, ...opts, hooks: { setScale: [shown] } }, data, el);
   }
 
   function drawSends(s) {
@@ -154,9 +216,11 @@
     const total = names.reduce((acc, n) => acc + s.series[n].reduce((a, b) => a + b, 0), 0);
     const bars = uPlot.paths && uPlot.paths.bars ? uPlot.paths.bars({ size: [0.8, 40] }) : undefined;
     const step = unit === "minute" ? 60 : 86400;
+    const [x0, x1] = fitted(s.t, step);
     draw("sends", el, {
-      // half a step of room on each side, so a single day or minute is a bar, not a whole axis
-      scales: { x: { time: true, range: (u, min, max) => [min - step / 2, max + step / 2] },
+      // the data's own first and last step, half a step of room on each side: a single day or
+      // minute is a bar, not a whole axis (see fitted)
+      scales: { x: { time: true, range: () => [x0, x1] },
                 y: { range: (u, min, max) => [0, Math.max(1, max)] } },
       axes: [{}, { label: unit === "minute" ? "emails / min" : "emails / day" }],
       series: [{ label: unit === "minute" ? "minute" : "day",
@@ -165,7 +229,17 @@
         ...names.map((n, i) => ({ label: n, stroke: COLORS[i % COLORS.length], fill: names.length === 1 ? COLORS[0] + "55" : undefined,
                                   width: 2, paths: names.length === 1 ? bars : undefined, points: { show: false } }))],
     }, [s.t, ...names.map((n) => s.series[n])],
-    { unit, points: String(s.t.length), campaigns: names.join(","), total: String(total) });
+    { unit, points: String(s.t.length), campaigns: names.join(","), total: String(total), xMin: String(x0),
+      xMax: String(x1) });
+  }
+
+  // The x range of a chart: from the first to the last time of the data, with half a step of room
+  // on each side. Taken from the data, not from the min and max uPlot passes to a range function:
+  // for a time scale with a single point uPlot widens the max to min + 86400 / ms (its time unit
+  // in ms: 1e-3 for seconds), i.e. 1,000 days, and one day of sends spanned almost three years.
+  function fitted(t, step) {
+    if (!t.length) { const now = Date.now() / 1000; return [now - step / 2, now + step / 2]; }
+    return [t[0] - step / 2, t[t.length - 1] + step / 2];
   }
 
   function drawPlan(plan) {
@@ -173,14 +247,16 @@
     box.hidden = !plan;
     if (!plan) return;
     const last = (a) => (a.length ? a[a.length - 1] : 0);
+    const [x0, x1] = fitted(plan.t, plan.unit === "hour" ? 3600 : 86400);
     draw("plan", document.getElementById("chart-plan"), {
-      scales: { x: { time: true }, y: { range: (u, min, max) => [0, Math.max(1, max)] } },
+      scales: { x: { time: true, range: () => [x0, x1] }, y: { range: (u, min, max) => [0, Math.max(1, max)] } },
       axes: [{}, { label: "emails (cumulative)" }],
       series: [{ label: plan.unit },
         { label: "planned", stroke: "#868e96", width: 2, dash: [6, 4], points: { show: false } },
         { label: "sent", stroke: "#017cee", width: 2, fill: "#017cee22", points: { show: false } }],
     }, [plan.t, plan.planned, plan.sent],
-    { unit: plan.unit, points: String(plan.t.length), planned: String(last(plan.planned)), sent: String(last(plan.sent)) });
+    { unit: plan.unit, points: String(plan.t.length), planned: String(last(plan.planned)), sent: String(last(plan.sent)),
+      xMin: String(x0), xMax: String(x1) });
   }
 
   async function refreshCharts(force) {

@@ -15,8 +15,10 @@ create table if not exists mail.reputation_guard (
     reason           text,
     resumed_at       timestamptz,
     resumed_by       text,
+    resume_reason    text,
     alerted_at       timestamptz,
     primary key (scope, name),
+    constraint reputation_guard_resumed_by_a_person check (resumed_at is null or resumed_by is not null),
     constraint reputation_guard_tripped_has_reason check (state = 'ok' or (tripped_at is not null and reason is not null))
 );
 
@@ -34,5 +36,11 @@ comment on column mail.reputation_guard.tripped_at is 'When it last tripped.';
 comment on column mail.reputation_guard.reason is 'Why it tripped: the rate, its threshold and the sample.';
 comment on column mail.reputation_guard.resumed_at is 'When a person last resumed it; outcomes of emails sent before this no longer count.';
 comment on column mail.reputation_guard.resumed_by is 'Who resumed it (the CLI user or the DAG run''s user).';
+comment on column mail.reputation_guard.resume_reason is 'Why the person resumed it (required by the CLI and the DAG).';
 comment on column mail.reputation_guard.alerted_at is 'When the trip was put in an alert (null: not yet).';
 
+
+-- Tripped scopes are few: the dispatcher's claim and the lifecycle source ask "is anything tripped for this
+-- campaign or the account?" before every claim and chunk; this partial index answers it without reading the
+-- ok rows (one per campaign ever evaluated).
+create index if not exists reputation_guard_tripped_idx on mail.reputation_guard (scope, name) where state = 'tripped';

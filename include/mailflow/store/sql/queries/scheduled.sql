@@ -1,10 +1,11 @@
 -- name: campaign_insert
 -- Create a campaign (status draft); every value is bound. Returns its id.
 insert into mail.campaign (name, timezone, emails_per_day, weekdays, windows, start_at, template, subject,
-                           from_address, reply_to, recipients_sql, recipients_table, marketing, on_policy)
+                           from_address, reply_to, recipients_sql, recipients_table, marketing, on_policy,
+                           canary_share, canary_min_outcome_share, canary_max_wait)
 values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, coalesce(%(start_at)s, now()),
         %(template)s, %(subject)s, %(from_address)s, %(reply_to)s, %(recipients_sql)s, %(recipients_table)s,
-        %(marketing)s, %(on_policy)s)
+        %(marketing)s, %(on_policy)s, %(canary_share)s, %(canary_min_outcome_share)s, %(canary_max_wait)s)
 returning id
 
 -- name: campaign_lock
@@ -86,11 +87,22 @@ set provisioned_count = provisioned_count + %(created)s,
 where id = %(id)s
 
 -- name: mark_provisioned
--- The recipient list is exhausted: provisioning is complete (until new recipients appear).
-update mail.campaign
-set provisioned_at = coalesce(provisioned_at, now()), plan_start = coalesce(plan_start, %(plan_start)s),
+-- The recipient list is exhausted: provisioning is complete (until new recipients appear). A
+-- campaign with a canary share fixes its canary here, once: the first ceil(share * rows) of its
+-- rows in plan order (id order: provisioning creates them in plan order); canary_last_id is the
+-- last of them. Read through send_log_campaign_user_uq (campaign, user_id), once per campaign.
+update mail.campaign c
+set provisioned_at = coalesce(c.provisioned_at, now()), plan_start = coalesce(c.plan_start, %(plan_start)s),
+    canary_last_id = case when c.canary_share is null or c.canary_last_id is not null then c.canary_last_id
+                          else (select max(k.id) from (
+                                    select l.id from mail.send_log l
+                                    where l.campaign = c.name and l.kind = 'scheduled' and l.released_at is null
+                                    order by l.id
+                                    limit (select ceil(c.canary_share * count(*))::bigint from mail.send_log n
+                                           where n.campaign = c.name and n.kind = 'scheduled'
+                                             and n.released_at is null)) k) end,
     updated_at = now()
-where id = %(id)s
+where c.id = %(id)s
 
 -- name: cancel_suppressed_due
 -- Due pending rows of active campaigns whose user or address is suppressed (for all mail or this
@@ -134,12 +146,18 @@ returning send_log_id
 -- name: due_wait
 -- Seconds (database clock) until the dispatcher should claim: when the earliest pending row of an
 -- active campaign has waited coalesce_seconds, or as soon as a full batch is due, whichever is
--- first. <= 0: claim now; null: nothing pending in any active campaign.
+-- first. <= 0: claim now; null: nothing pending in any active campaign. Rows pick_due would not
+-- take are left out the same way (held behind a canary, or the reputation guard tripped for the
+-- campaign or the account), so a held row never makes the dispatcher spin.
 with p as (
     select d.scheduled_at
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled'
+      and (c.canary_share is null or c.canary_released_at is not null or d.id <= c.canary_last_id)
+      and not exists (select 1 from mail.reputation_guard g
+                      where g.state = 'tripped' and g.scope = 'campaign' and g.name = c.name)
+      and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
     order by d.scheduled_at
     limit %(batch)s
 )
@@ -153,12 +171,21 @@ from p
 -- other. Both selects are MATERIALIZED CTEs, evaluated exactly once. Suppressed rows are never
 -- picked (see cancel_suppressed_due). The caller then takes the contact guard for the rows' users,
 -- re-checks the policy and the addresses, and claims (claim_rows), defers or skips each row, in
--- the same transaction.
+-- the same transaction. The database enforces two holds here, whatever the caller does: a campaign
+-- the reputation guard tripped (or any campaign while the account is tripped) is never picked, and
+-- a campaign with a canary that is not released yet gives only its canary rows (id <= canary_last_id;
+-- none until provisioning fixed the canary).
 with pick as materialized (
-    select d.campaign
+    select d.campaign,
+           case when c.canary_share is not null and c.canary_released_at is null
+                then coalesce(c.canary_last_id, 0) end as canary_last_id
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+      and (c.canary_share is null or c.canary_released_at is not null or d.id <= c.canary_last_id)
+      and not exists (select 1 from mail.reputation_guard g
+                      where g.state = 'tripped' and g.scope = 'campaign' and g.name = c.name)
+      and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
       and not exists (select 1 from mail.suppression s
@@ -171,6 +198,7 @@ with pick as materialized (
     from mail.send_log d
     where d.campaign = (select campaign from pick)
       and d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
+      and ((select canary_last_id from pick) is null or d.id <= (select canary_last_id from pick))
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
       and not exists (select 1 from mail.suppression s
@@ -315,3 +343,53 @@ select detail->>'reason' from mail.campaign_event
 where campaign_id = %(id)s and to_status = 'paused'
 order by id desc
 limit 1
+
+-- name: canaries_waiting
+-- Campaigns whose canary is fixed and not released yet (the dispatcher evaluates their reputation
+-- before it decides to release them).
+select name from mail.campaign
+where status = 'scheduled' and canary_share is not null and canary_last_id is not null and canary_released_at is null
+order by name
+
+-- name: release_canaries
+-- Release the rest of each campaign whose canary is in: no canary row is pending or sending any
+-- more, and canary_min_outcome_share of its sent emails have an outcome (mail.delivery_status), or
+-- canary_max_wait has passed since its last send (or none of it was sent); and the reputation guard
+-- trips neither the campaign nor the account. Guarded on canary_released_at is null (a release
+-- happens once); the event is appended in the same statement. Reads each waiting campaign's canary
+-- rows (a share of one campaign, once per dispatch run).
+with waiting as (
+    select c.id, c.name, c.canary_min_outcome_share, c.canary_max_wait, c.canary_last_id
+    from mail.campaign c
+    where c.status = 'scheduled' and c.canary_share is not null and c.canary_last_id is not null
+      and c.canary_released_at is null
+      and not exists (select 1 from mail.reputation_guard g
+                      where g.state = 'tripped' and (g.scope = 'account' or (g.scope = 'campaign' and g.name = c.name)))
+    for update of c
+), canary as (
+    select w.id, w.name,
+           count(*) filter (where l.status in ('pending', 'sending')) as open,
+           count(*) filter (where l.status = 'sent') as sent,
+           count(*) filter (where l.status = 'sent' and ds.outcome is not null) as with_outcome,
+           max(l.sent_at) as last_sent,
+           w.canary_min_outcome_share, w.canary_max_wait
+    from waiting w
+    join mail.send_log l on l.campaign = w.name and l.id <= w.canary_last_id and l.released_at is null
+    left join mail.delivery_status ds on ds.send_log_id = l.id
+    group by w.id, w.name, w.canary_min_outcome_share, w.canary_max_wait
+), released as (
+    update mail.campaign c set canary_released_at = now(), updated_at = now()
+    from canary k
+    where c.id = k.id and c.canary_released_at is null and k.open = 0
+      and (k.sent = 0 or k.with_outcome >= ceil(k.canary_min_outcome_share * k.sent)
+           or now() >= k.last_sent + k.canary_max_wait)
+    returning c.id, c.name, k.sent, k.with_outcome, k.last_sent
+), ev as (
+    insert into mail.campaign_event (campaign_id, from_status, to_status, detail, actor)
+    select id, 'scheduled', 'scheduled',
+           jsonb_build_object('reason', 'canary released', 'canary_sent', sent, 'canary_with_outcome', with_outcome,
+                              'canary_last_sent', last_sent),
+           %(actor)s
+    from released
+)
+select name, sent, with_outcome from released order by name
