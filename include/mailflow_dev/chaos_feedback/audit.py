@@ -99,7 +99,8 @@ def _count(items: Any) -> dict[str, int]:
 def _why_missed(history: list[str]) -> str:
     """Why a suppression was missed, from the email's messages (``type:final``)."""
     lost = [h for h in history if h in ("complained:given_up", "bounced:given_up")]
-    if lost and "delivered:acknowledged" in history:
+    outcome = [h for h in history if h.endswith(":acknowledged") and not h.startswith("sent:")]
+    if lost and outcome:
         return ("its complaint or bounce was given up by the provider after the email already had an outcome "
                 "(the safety-net poll asks only about emails without one)")
     if lost:
