@@ -107,7 +107,10 @@ class Sender(threading.Thread):
                              timeout=30.0) as http:
             t0 = time.monotonic()
             for n, batch in enumerate(batches):
-                self.running.wait()
+                if not self.running.is_set():  # paused: the schedule resumes where it stopped, no burst
+                    paused = time.monotonic()
+                    self.running.wait()
+                    t0 += time.monotonic() - paused
                 key = f"chaos-feedback-{uuid.uuid4().hex}"
                 with conn.transaction():
                     ids = [r[0] for r in conn.execute(
@@ -213,8 +216,9 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
         third failed attempt (the schedule cut to ``0, 5 s, 5 min`` scaled), so the events of that
         window are lost to the webhooks and only the safety-net poll can recover them.
     :param outage: ``clean`` (default): sending pauses and every pending message is acknowledged
-        first, so the outage loses whole lifecycles only (emails sent during it), which the poll must
-        recover entirely; ``random``: that outage starts at a random moment like the other kills, so
+        first; emails are sent in the outage's first part only, and the receiver comes back once every
+        one of their messages was given up: the outage loses whole lifecycles only, which the poll
+        must recover entirely; ``random``: that outage starts at a random moment like the other kills, so
         an email whose ``delivered`` was acknowledged just before may lose its later complaint to it:
         the safety-net poll asks only about emails without an outcome, so such a complaint is a
         missed suppression until the provider's failed messages are replayed (docs/feedback.md, "What
@@ -257,10 +261,22 @@ def run_feedback_chaos(admin_dsn: str, *, kills: int = 30, emails: int = 3000, s
                 if rx.kill():
                     report.kills += 1
                 sender.running.set()
+                started = time.monotonic()
                 down = outage_seconds if long_outage else rng.uniform(0.0, 1.0)
-                time.sleep(down)
+                if long_outage and outage == "clean":
+                    # emails are sent in the outage's first part only; every event of theirs (spread,
+                    # delayed, reordered) is emitted and given up before the receiver is back
+                    time.sleep(min(1.5, down / 3))
+                    sender.running.clear()
+                    time.sleep(0.5)
+                    _drain(emu, 60.0)
+                    time.sleep(max(0.0, down - (time.monotonic() - started)))
+                    down = time.monotonic() - started
+                else:
+                    time.sleep(down)
                 if long_outage:
                     emu.configure(webhook_retry_schedule=list(SVIX_RETRY_SCHEDULE))
+                    sender.running.set()
                 report.down_seconds += down
                 rx.start(wait=False)
                 report.down_seconds += rx.wait_ready()
