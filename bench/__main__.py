@@ -5,7 +5,7 @@ PostgreSQL (TEST_DATABASE_URL or the embedded server) and the emulator, and writ
 
 Suites, cheapest first: pipeline (metric 3), memory (5), dag_import (7), provider (1, 2),
 audience (4, and metric 3 at 1M users), lifecycle_e2e (8: end-to-end lifecycle utilisation),
-dispatch (6). A suite that fails is recorded as a failed
+dispatch (6), webhooks (webhook ingestion and outcome coverage). A suite that fails is recorded as a failed
 metric and the others still run; the exit code is 1 if any suite failed.
 """
 
@@ -23,7 +23,17 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench import audience, dag_import, dispatch, lifecycle_e2e, memory, pipeline, population, provider
+from bench import (
+    audience,
+    dag_import,
+    dispatch,
+    lifecycle_e2e,
+    memory,
+    pipeline,
+    population,
+    provider,
+    webhooks,
+)
 
 RESULTS = Path(__file__).parent / "results"
 SUITES = {
@@ -34,6 +44,7 @@ SUITES = {
     "audience": audience.run,
     "lifecycle_e2e": lifecycle_e2e.run,
     "dispatch": dispatch.run,
+    "webhooks": webhooks.run,
 }
 
 
