@@ -21,6 +21,7 @@ Prints one JSON document; exit 1 if a file changed a distribution of the base en
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -90,6 +91,38 @@ def make_base(venv: Path, airflow_version: str, constraints: Path | None, python
     res = _pip(venv, *args)
     if res.returncode != 0:
         raise RuntimeError(f"installing Airflow failed: {res.stderr[-3000:]}")
+
+
+def cached_base(cache: Path, airflow_version: str, constraints: Path, python: str = sys.executable) -> Path:
+    """The base venv of :func:`make_base` under ``cache``, built once per set of inputs and reused.
+
+    Its folder is named by a hash of the Airflow version, the constraints' text and the
+    interpreter's version, so a changed pin set builds a new base and never reuses a stale one. It
+    is built under a temporary name and renamed when complete: an interrupted build is never taken
+    for a base. Returns the venv's path.
+
+    :raises RuntimeError: as :func:`make_base`.
+    """
+    version = subprocess.run([python, "-c", "import sys; print(sys.version)"], text=True, capture_output=True,
+                             check=True).stdout
+    key = hashlib.sha256("\0".join([airflow_version, constraints.read_text(), version]).encode()).hexdigest()[:16]
+    base = cache / f"airflow-{airflow_version}-{key}"
+    if (base / "bin" / "python").exists():
+        return base
+    cache.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f"{base.name}.building-", dir=cache))
+    try:
+        make_base(building / "venv", airflow_version, constraints, python)
+        # renaming is safe: every use runs `python -m pip` (a venv's scripts name the old path);
+        # a concurrent builder that finished first wins, and this copy is dropped
+        try:
+            (building / "venv").rename(base)
+        except OSError:
+            if not (base / "bin" / "python").exists():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return base
 
 
 def measure(base_venv: Path, work: Path, requirements: Path, airflow_version: str,
