@@ -121,3 +121,127 @@ def test_campaign_outcome_metrics_name_keys_the_run_summary_has():
 
     keys = set(CampaignSummary(campaign="c").as_dict())
     assert set(metrics.CAMPAIGN_OUTCOMES) <= keys, set(metrics.CAMPAIGN_OUTCOMES) - keys
+
+
+class _Pacer:
+    account = "api.resend.com"
+
+
+class _Client:
+    """What the run's signals read of a client: its ``stats`` and its pacer's account."""
+
+    pacer = _Pacer()
+
+    def __init__(self, **stats: int) -> None:
+        self.stats = {"requests": 0, "429": 0, "5xx": 0, "timeouts": 0, "replays": 0, "late_slots": 0,
+                      "pacing_wait_ms": 0} | stats
+
+
+class _TI:
+    dag_id, run_id, task_id = "lifecycle_emails", "scheduled__2026-12-01T09:00:00+00:00", "send"
+
+
+def test_a_runs_pacing_wait_and_the_breaker_it_leaves_reach_statsd(statsd: socket.socket, db) -> None:
+    from mailflow.orchestration.tasks import _provider_signals
+    from mailflow.provider.breaker import CircuitBreaker
+
+    context = {"ti": _TI()}
+    breaker = CircuitBreaker(db, "api.resend.com", "test")
+    breaker.trip("provider unavailable: HTTP 503 service_unavailable")
+    _provider_signals(db, _Client(requests=3, pacing_wait_ms=1250), context)
+    assert breaker.reset("a probe was answered")
+    _provider_signals(db, _Client(requests=1, pacing_wait_ms=0), context)
+    _provider_signals(db, _Client(), context)  # no request made: no pacing timing, the gauge still set
+    assert _received(statsd, 5) == [
+        "airflow.mailflow.provider.pacing_wait:1250.000000|ms", "airflow.mailflow.breaker.api_resend_com.open:1|g",
+        "airflow.mailflow.provider.pacing_wait:0.000000|ms", "airflow.mailflow.breaker.api_resend_com.open:0|g",
+        "airflow.mailflow.breaker.api_resend_com.open:0|g"]
+
+
+def test_a_connection_the_run_broke_loses_only_the_breaker_gauge(statsd: socket.socket, db_dsn: str,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    import psycopg
+
+    from mailflow.orchestration.tasks import _provider_signals
+
+    conn = psycopg.connect(db_dsn)
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="mailflow.orchestration.tasks"):
+        _provider_signals(conn, _Client(requests=2, pacing_wait_ms=40), {"ti": _TI()})  # does not raise
+    assert _received(statsd, 1) == ["airflow.mailflow.provider.pacing_wait:40.000000|ms"]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["circuit breaker state not read for its metric"]
+
+
+@pytest.fixture
+def api_server_statsd(statsd: socket.socket) -> Iterator[socket.socket]:
+    """The same listener behind Airflow core's Stats, initialised as the API server does at start."""
+    from airflow._shared.observability.metrics import stats
+    from airflow._shared.observability.metrics.base_stats_logger import NoStatsLogger
+    from airflow.observability.metrics import stats_utils
+
+    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
+    try:
+        yield statsd
+    finally:
+        stats.initialize(factory=NoStatsLogger, export_legacy_names=False)
+
+
+def test_webhook_answers_of_the_api_servers_receiver_are_counted_per_type_and_decision(
+        api_server_statsd: socket.socket, db, db_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import time
+
+    from starlette.testclient import TestClient
+
+    from mailflow.feedback.webhook_verify import sign
+    from mailflow.orchestration.webhooks import create_airflow_app
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    db.execute("truncate mail.webhook_event")
+    monkeypatch.setenv("MAILFLOW_WEBHOOK_SECRETS", secret)
+    monkeypatch.setenv("MAILFLOW_WEBHOOK_DSN", db_dsn)
+
+    def post(c: TestClient, svix_id: str, event_type: str, key: str = secret) -> tuple[int, dict]:
+        body = json.dumps({"type": event_type, "created_at": "2026-12-01T09:00:00Z",
+                           "data": {"email_id": "em_unknown_1", "to": ["a@example.com"]}}).encode()
+        ts = int(time.time())
+        r = c.post("/resend", content=body, headers={"svix-id": svix_id, "svix-timestamp": str(ts),
+                                                    "svix-signature": sign(key, svix_id, ts, body),
+                                                    "content-type": "application/json"})
+        return r.status_code, r.json()
+
+    api = create_airflow_app()
+    with TestClient(api, raise_server_exceptions=False) as c:
+        answers = [post(c, "msg_1", "email.delivered"), post(c, "msg_1", "email.delivered"),
+                   post(c, "msg_2", "email.delivered", key="whsec_c2Vjb25kLXNlY3JldC0wMTIzNDU2Nzg5YWJjZA=="),
+                   post(c, "msg_3", "contact.created")]
+        c.portal.call(api.routes[-1].app.state.writer.aclose)
+    assert [a[0] for a in answers] == [200, 200, 401, 200]
+    assert _received(api_server_statsd, 4) == [
+        "airflow.mailflow.webhook.email_delivered.pending:1|c", "airflow.mailflow.webhook.email_delivered.duplicate:1|c",
+        "airflow.mailflow.webhook.refused.401:1|c", "airflow.mailflow.webhook.contact_created.ignored:1|c"]
+
+
+def test_a_failing_metric_never_changes_a_webhook_answer(db, db_dsn: str) -> None:
+    import json
+    import time
+
+    from starlette.testclient import TestClient
+
+    from mailflow.feedback.webhook_verify import sign
+    from mailflow.feedback.webhooks import connect_factory, create_app
+
+    def broken(kind: str, outcome: str) -> None:
+        raise OSError("statsd host unreachable")
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    db.execute("truncate mail.webhook_event")
+    app = create_app([secret], connect_factory(db_dsn), on_answer=broken)
+    body = json.dumps({"type": "email.opened", "created_at": "2026-12-01T09:00:00Z",
+                       "data": {"email_id": "em_unknown_2"}}).encode()
+    ts = int(time.time())
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/resend", content=body, headers={"svix-id": "msg_9", "svix-timestamp": str(ts),
+                                                    "svix-signature": sign(secret, "msg_9", ts, body)})
+    assert (r.status_code, r.json()) == (200, {"received": True, "decision": "pending"})
+    assert db.execute("select svix_id from mail.webhook_event").fetchall() == [("msg_9",)]

@@ -154,7 +154,7 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 
 def create_app(secrets: SecretsSource, connect: Connect, *, max_body_bytes: int = MAX_BODY_BYTES,
                body_timeout: float = BODY_TIMEOUT_SECONDS, max_in_flight: int = MAX_IN_FLIGHT,
-               writer: GroupWriter | None = None) -> Starlette:
+               writer: GroupWriter | None = None, on_answer: Callable[[str, str], None] | None = None) -> Starlette:
     """Build the receiver (routes ``POST /resend`` and ``GET /healthz``); see the module docstring.
 
     :param secrets: the ``whsec_`` secrets, or a factory (looked up on the first request, so a missing
@@ -164,22 +164,47 @@ def create_app(secrets: SecretsSource, connect: Connect, *, max_body_bytes: int 
     :param body_timeout: seconds a body may take to arrive (408 after).
     :param max_in_flight: requests handled at once at most (503 beyond).
     :param writer: the group-commit writer (default: a :class:`GroupWriter` over ``connect``).
+    :param on_answer: told of every answer to ``POST /resend`` (metrics): ``(event_type, decision)``
+        for an acknowledged event (``decision`` as :meth:`GroupWriter.submit` returns it, ``pending``
+        for None), ``("refused", "<status>")`` otherwise. Called after the answer is decided; an
+        error it raises is logged and changes nothing.
     """
     verifiers = _Verifiers(secrets)
     group_writer = writer or GroupWriter(connect)
     in_flight = 0
 
+    def told(kind: str, outcome: str | int, answer: Response) -> Response:
+        if on_answer is not None:
+            try:
+                on_answer(kind, str(outcome))
+            except Exception as exc:  # the answer is decided; a metric must not change it
+                log.warning("webhook answer not reported: %s", type(exc).__name__)
+        return answer
+
     async def receive(request: Request) -> Response:
         nonlocal in_flight
         if in_flight >= max_in_flight:
-            return _unavailable("too many requests in flight")
+            return told("refused", 503, _unavailable("too many requests in flight"))
         in_flight += 1
         try:
-            return await _receive(request)
+            answer, event_type, decision = await _receive(request)
         finally:
             in_flight -= 1
+        if event_type is None:
+            return told("refused", answer.status_code, answer)
+        return told(event_type, decision or "pending", answer)
 
-    async def _receive(request: Request) -> Response:
+    async def _receive(request: Request) -> tuple[Response, str | None, str | None]:
+        """The answer, and the acknowledged event's type and decision (None, None: refused)."""
+        result = await _refuse_or_store(request)
+        if isinstance(result, Response):
+            return result, None, None
+        event, decision = result
+        if decision == DUPLICATE_DELIVERY:
+            return _answer(200, {"received": True, "duplicate": True}), event.event_type, decision
+        return _answer(200, {"received": True, "decision": decision or "pending"}), event.event_type, decision
+
+    async def _refuse_or_store(request: Request) -> Response | tuple[WebhookEvent, str | None]:
         try:
             async with asyncio.timeout(body_timeout):  # no extra task per request (unlike wait_for)
                 body = await _read_body(request, max_body_bytes)
@@ -214,9 +239,7 @@ def create_app(secrets: SecretsSource, connect: Connect, *, max_body_bytes: int 
         except Unavailable as exc:
             log.warning("webhook %s not stored, 503: %s", verified.svix_id, exc)
             return _unavailable("event not stored; retry later")
-        if decision == DUPLICATE_DELIVERY:
-            return _answer(200, {"received": True, "duplicate": True})
-        return _answer(200, {"received": True, "decision": decision or "pending"})
+        return event, decision
 
     async def healthz(request: Request) -> Response:
         try:

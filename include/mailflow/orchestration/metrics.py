@@ -7,10 +7,22 @@ Airflow's ``statsd_prefix``, default ``airflow``), all counters unless said othe
   ``held`` (lifecycle; the columns of :mod:`mailflow.model.tally`) and ``dead_lettered`` (reconcile);
 * ``mailflow.provider.<kind>``: provider requests, with ``kind`` one of ``requests``, ``429``,
   ``5xx``, ``timeouts``, ``late_slots`` (the pacer's slot came late);
+* ``mailflow.provider.pacing_wait``: a timing (ms), one per run that made requests: how long the
+  run's client slept for its request slots of the shared schedule (the pacer's spacing and every
+  429's push-back; ``ResendClient.stats["pacing_wait_ms"]``);
+* ``mailflow.breaker.<account>.open``: a gauge, 1 when the circuit breaker of the provider account
+  (its API host, e.g. ``api_resend_com``) was open at the end of a run, 0 when closed; set by every
+  send, dispatch and reconcile run, so it is as fresh as the last run;
 * ``mailflow.dispatch.lateness``: a timing (ms): how long after its scheduled minute a dispatch
-  run started.
+  run started;
+* ``mailflow.webhook.<event_type>.<decision>``: webhook events the receiver acknowledged (in the
+  API server), ``event_type`` with ``.`` as ``_`` (``email_bounced``), ``decision`` one of
+  ``applied``, ``failed``, ``recipient_mismatch``, ``ignored``, ``pending`` (its email not in the
+  send log yet), ``duplicate`` (a svix-id stored before); ``mailflow.webhook.refused.<status>``:
+  requests answered 4xx/5xx (400, 401, 408, 413, 503), nothing stored.
 
-Every call carries the tag ``dag_id`` (StatsD without tags ignores it). Campaign names are already
+Every call carries the tag ``dag_id`` (StatsD without tags ignores it), the breaker gauge also
+``account``. Campaign names are already
 safe (``[a-z0-9_]``); a name Airflow's validator would refuse is normalised by Airflow. Emitting
 never fails a task: a metrics backend's error is logged and dropped.
 """
@@ -18,6 +30,7 @@ never fails a task: a metrics backend's error is logged and dropped.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,6 +47,22 @@ def _stats() -> Any:
     return Stats
 
 
+def _api_server_stats() -> Any:
+    # The API server initialises Airflow core's own Stats (from ``[metrics]``, at its start), not
+    # the task SDK's, which stays a no-op there; a process without that module (a standalone
+    # receiver without Airflow core) gets the SDK's.
+    try:
+        from airflow._shared.observability.metrics import stats
+    except ImportError:
+        return _stats()
+    return stats
+
+
+def _segment(text: str) -> str:
+    """``text`` as one segment of a metric name: every character outside ``[A-Za-z0-9_-]`` as ``_``."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", text) or "_"
+
+
 def _incr(name: str, count: int, dag_id: str) -> None:
     if count:
         try:
@@ -46,6 +75,38 @@ def provider_requests(stats: Mapping[str, int], dag_id: str) -> None:
     """Count one run's provider requests (``ResendClient.stats``)."""
     for kind in PROVIDER_KINDS:
         _incr(f"mailflow.provider.{kind}", int(stats.get(kind, 0)), dag_id)
+
+
+def pacing_wait(stats: Mapping[str, int], dag_id: str) -> None:
+    """Time one run's waits for request slots (``ResendClient.stats["pacing_wait_ms"]``); nothing for
+    a run that made no request."""
+    if not stats.get("requests"):
+        return
+    try:
+        _stats().timing("mailflow.provider.pacing_wait", timedelta(milliseconds=int(stats.get("pacing_wait_ms", 0))),
+                        tags={"dag_id": dag_id})
+    except Exception as exc:
+        log.warning("metric mailflow.provider.pacing_wait not emitted: %s", exc)
+
+
+def breaker_state(account: str, is_open: bool, dag_id: str) -> None:
+    """Set the gauge ``mailflow.breaker.<account>.open`` to 1 (open) or 0 (closed) as a run saw it."""
+    name = f"mailflow.breaker.{_segment(account)}.open"
+    try:
+        _stats().gauge(name, 1 if is_open else 0, tags={"dag_id": dag_id, "account": account})
+    except Exception as exc:
+        log.warning("metric %s not emitted: %s", name, exc)
+
+
+def webhook_event(kind: str, outcome: str) -> None:
+    """Count one webhook request the receiver answered: ``kind`` the event type (``email.bounced``)
+    and ``outcome`` its decision, or ``kind="refused"`` and the HTTP status. Emitted through the API
+    server's Stats; never raises (the receiver's answer must not depend on a metric)."""
+    name = f"mailflow.webhook.{_segment(kind)}.{_segment(outcome)}"
+    try:
+        _api_server_stats().incr(name, 1)
+    except Exception as exc:
+        log.warning("metric %s not emitted: %s", name, exc)
 
 
 def campaign_outcomes(summaries: Iterable[Mapping[str, Any]], dag_id: str) -> None:

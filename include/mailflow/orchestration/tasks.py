@@ -161,6 +161,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
                 apply_conn.close()
             log.info("provider requests: %s", client.stats)
             metrics.provider_requests(client.stats, _dag_id(context))
+            _provider_signals(conn, client, context)
     out = [s.as_dict() for s in summaries]
     metrics.campaign_outcomes(out, _dag_id(context))
     return out
@@ -193,6 +194,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
             # previous_api_keys: ambiguous batches are resent under the key they were first sent with
             summary = reconcile(conn, client, now=now, stale_after=timedelta(seconds=stale),
                                 run=run, deadline=time.monotonic() + budget, previous=hook.previous_clients())
+            _provider_signals(conn, client, context)
         finally:
             hook.close()
     log.info("reconcile: %s", summary.as_dict())
@@ -204,6 +206,22 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     held_batch_alert(summary.held, context)
     key_refused_alert(summary.key_refused, context)
     return summary.as_dict()
+
+
+def _provider_signals(conn: psycopg.Connection, client: Any, context: Mapping[str, Any]) -> None:
+    """Emit a run's pacing wait and the circuit breaker's state as the run leaves it (metrics). The
+    breaker is read on the run's own connection; a connection the run left unusable (its error is
+    being raised) only loses the gauge, logged."""
+    from mailflow.provider.breaker import CircuitBreaker, breaker_account
+
+    metrics.pacing_wait(client.stats, _dag_id(context))
+    account = breaker_account(client)
+    try:
+        is_open = CircuitBreaker(conn, account, holder="metrics").state().open
+    except Exception as exc:  # a metric is never worth a changed outcome
+        log.warning("circuit breaker state not read for its metric: %s", exc)
+        return
+    metrics.breaker_state(account, is_open, _dag_id(context))
 
 
 def _dag_id(context: Mapping[str, Any]) -> str:
@@ -258,6 +276,7 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
             client.close()
             log.info("provider requests: %s", client.stats)
             metrics.provider_requests(client.stats, _dag_id(context))
+            _provider_signals(conn, client, context)
     out = summary.as_dict()
     metrics.dispatch_outcomes(out, _dag_id(context))
     return out

@@ -29,6 +29,7 @@ from mailflow.feedback.webhooks import (
     secrets_from_env,
 )
 from mailflow.masking import mask_connection
+from mailflow.orchestration import metrics
 from mailflow.orchestration.send_log_dsn import AirflowDsn
 
 URL_PREFIX = "/mailflow-webhooks"
@@ -70,7 +71,8 @@ def create_airflow_app() -> Any:
     from fastapi import FastAPI
 
     api = FastAPI(title="mailflow webhooks", openapi_url=None, docs_url=None, redoc_url=None)
-    api.mount("/", create_app(secrets_from_airflow, AirflowDsn(DSN_ENV, Unavailable, _connect).connect))
+    api.mount("/", create_app(secrets_from_airflow, AirflowDsn(DSN_ENV, Unavailable, _connect).connect,
+                              on_answer=metrics.webhook_event))
     return api
 
 

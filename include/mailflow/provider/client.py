@@ -174,7 +174,11 @@ class ResendClient:
         self.conn_id = conn_id
         self.key_identity = key_identity(api_key)
         """Non-secret identity of this client's key (:func:`key_identity`); stored with each batch."""
-        self.stats = {"requests": 0, "429": 0, "5xx": 0, "timeouts": 0, "replays": 0, "late_slots": 0}
+        self.stats = {"requests": 0, "429": 0, "5xx": 0, "timeouts": 0, "replays": 0, "late_slots": 0,
+                      "pacing_wait_ms": 0}
+        """Counts of this client's batch sends: requests made, their 429s, 5xx and timeouts, late
+        reserved slots, and ``pacing_wait_ms``: the milliseconds it slept for its request slots of the
+        shared schedule (the pacer's spacing and every 429's push-back), not the retry backoffs."""
         self.http = httpx.Client(
             base_url=base_url.rstrip("/"),
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "mailflow/0.1"},
@@ -300,6 +304,7 @@ class ResendClient:
                     return give_up(f"time budget reached before attempt {attempt}: the next request slot starts "
                                    f"{start - deadline:.1f} s after the deadline ({why})", stop="time budget")
             wait = max(start - self.clock.monotonic(), 0.0)
+            self.stats["pacing_wait_ms"] += round(wait * 1000)
             self.clock.sleep(wait)
             self.stats["requests"] += 1
             started = self.clock.monotonic()
