@@ -1,7 +1,8 @@
 """
 ### lifecycle_emails
 
-Hourly lifecycle campaigns (declared in `include/mailflow/campaigns/lifecycle.toml`), highest
+Hourly lifecycle campaigns (declared in `lifecycle.toml` of the campaigns folder: `campaigns/` next
+to this file when it exists, `MAILFLOW_CAMPAIGNS_DIR` if set, else the packaged examples), highest
 priority first. Each run selects audiences from **its own data interval** (an interval timetable,
 so `[data_interval_start, data_interval_end)` is one real hour), excludes anyone emailed by any
 campaign within the cooldown or suppressed, mints send-log rows one chunk (<= 100) at a time,
@@ -15,23 +16,32 @@ sends each chunk as one `POST /emails/batch` and reconciles rejections by index.
 * Scheduled, manual and backfill runs never overlap: `max_active_tis_per_dag=1` on the send task
   (backfill runs do not count against `max_active_runs`, so that alone would not serialize them);
   create backfills with `max_active_runs=1` so their intervals run oldest first.
+* Campaign files are validated when this file is parsed (a bad one is an import error naming the
+  file and the field) and read again by every run; each batch records the campaign's content hash.
 * Connections: `send_log_db` (Postgres), `resend_default` (API key = password), `mail_unsubscribe`.
 * Pool `email_provider` bounds concurrent send tasks; the shared pacer in Postgres enforces the rate.
 """
 
 from datetime import timedelta
+from pathlib import Path
 
 import pendulum
 from airflow.sdk import DAG, CronDataIntervalTimetable, Param, task
 
-from mailflow.campaigns import declared_names
+from mailflow.campaigns import CampaignFolder, check_templates, declared_names, load_campaigns
 from mailflow.orchestration.alerts import LIFECYCLE_DEADLINE, deadline, default_args
 from mailflow.orchestration.assets import SEND_LOG
 from mailflow.orchestration.budgets import budget_description, max_budget_seconds
 
 SEND_TIMEOUT = timedelta(minutes=15)  # execution_timeout of send_campaigns; the budget Param fits inside it
 
-CAMPAIGN_NAMES = declared_names()  # one small TOML read at parse time: the trigger form's choices
+# Parse time, no database: a bad campaign file fails this import, naming the file and the field
+# (strict keys, audience and template files present, every template in the sandbox). The tasks
+# read the folder again at run time, so an edit needs no reinstall.
+CAMPAIGNS = CampaignFolder.resolve(Path(__file__).parent)
+load_campaigns(folder=CAMPAIGNS)
+check_templates(CAMPAIGNS)
+CAMPAIGN_NAMES = declared_names(folder=CAMPAIGNS)  # the trigger form's choices, in file order
 
 with DAG(
     dag_id="lifecycle_emails",

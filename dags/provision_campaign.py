@@ -14,16 +14,23 @@ weekdays, local business-hour windows, start). Triggered by hand with the campai
   emails per day, days spanned).
 * A draft campaign becomes `scheduled` with its first chunk; `dispatch_scheduled_emails` sends rows
   as they fall due. Create campaigns with `python -m mailflow.sources.scheduled create SPEC.toml`.
+* Templates and recipients files come from the campaigns folder (`campaigns/` next to this file,
+  `MAILFLOW_CAMPAIGNS_DIR`, or the packaged examples); its templates are checked when this file is
+  parsed (a bad one is an import error naming the file).
 * Connection: `send_log_db` (Postgres).
 """
 
 from datetime import timedelta
+from pathlib import Path
 
 import pendulum
 from airflow.sdk import DAG, Param, task
 
+from mailflow.campaigns import CampaignFolder, check_templates
 from mailflow.orchestration.alerts import default_args
 from mailflow.orchestration.assets import SEND_LOG
+
+check_templates(CampaignFolder.resolve(Path(__file__).parent))  # parse time, no database
 
 with DAG(
     dag_id="provision_campaign",

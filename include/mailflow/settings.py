@@ -2,12 +2,13 @@
 
 Tiers (see docs/operations.md): credentials in Connections (``send_log_db``, ``resend_default``,
 ``mail_unsubscribe``, ``mail_webhook``); per-environment values in env vars (below); run-time choices in DAG Params;
-campaign definitions in ``campaigns/*.toml``.
+campaign definitions in the campaigns folder (:mod:`mailflow.campaigns.folder`, ``MAILFLOW_CAMPAIGNS_DIR``).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 SEND_LOG_CONN_ID = os.environ.get("MAILFLOW_SEND_LOG_CONN_ID", "send_log_db")
 RESEND_CONN_ID = os.environ.get("MAILFLOW_RESEND_CONN_ID", "resend_default")
@@ -63,3 +64,14 @@ def pipelined() -> bool:
     """Pipelined sending in the DAG tasks (``MAILFLOW_PIPELINED``, default on; ``0``/``false``/``no``
     turns it off): chunk N+1 is prepared while chunk N is in flight (docs/performance.md)."""
     return os.environ.get("MAILFLOW_PIPELINED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def dags_folder() -> Path:
+    """Airflow's DAG folder as the environment gives it: ``AIRFLOW__CORE__DAGS_FOLDER``, else
+    ``$AIRFLOW_HOME/dags`` (``~/airflow/dags``), Airflow's own default. A value set only in
+    ``airflow.cfg`` is not seen here; tasks pass their DAG file's folder instead (the DAG bundle as
+    the worker sees it), and the campaigns folder can be named by ``MAILFLOW_CAMPAIGNS_DIR``."""
+    configured = os.environ.get("AIRFLOW__CORE__DAGS_FOLDER", "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / "dags"

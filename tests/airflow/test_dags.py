@@ -252,3 +252,87 @@ def test_dag_test_of_an_old_interval_sends_only_with_allow_old_interval(
     assert not set(expected) & set(expected_old)
     dr2 = dag.test(logical_date=older, run_conf={"allow_old_interval": True})
     assert_sent_run(dr2, older, send_log(db), expected, emulator.read_outbox())
+
+
+# -- campaign files at parse time ------------------------------------------------------------------
+
+
+def bad_campaigns_bag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Any) -> tuple[Any, str]:
+    """A DagBag of the lifecycle DAG file in a bundle whose ``campaigns/`` (a copy of the examples)
+    was changed by ``edit(folder)``; returns the bag and the file's import error text."""
+    import shutil
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    from mailflow.campaigns import EXAMPLES_DIR
+
+    monkeypatch.delenv("MAILFLOW_CAMPAIGNS_DIR", raising=False)
+    bundle = tmp_path / "dags"
+    bundle.mkdir()
+    shutil.copy(DAGS / "lifecycle_emails.py", bundle)
+    shutil.copytree(EXAMPLES_DIR, bundle / "campaigns", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    edit(bundle / "campaigns")
+    bag = DagBag(dag_folder=str(bundle))
+    [(path, error)] = bag.import_errors.items()
+    assert Path(path).name == "lifecycle_emails.py"
+    assert "lifecycle_emails" not in bag.dag_ids
+    return bag, error
+
+
+def replace_in(path: Path, old: str, new: str) -> None:
+    text = path.read_text(encoding="utf-8")
+    assert old in text
+    path.write_text(text.replace(old, new, 1), encoding="utf-8")
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda f: replace_in(f / "lifecycle.toml", 'priority = 2', 'priorty = 2'),
+     r"campaigns/lifecycle\.toml: campaign 'first_practice': unknown key 'priorty'"),
+    (lambda f: replace_in(f / "lifecycle.toml", '[defaults]', '[defaults]\nfrom_adress = "x@example.com"'),
+     r"campaigns/lifecycle\.toml: \[defaults\]: unknown key 'from_adress'"),
+    (lambda f: replace_in(f / "lifecycle.toml", 'name = "upgrade_offer"', 'name = "upgrade_offer'),
+     r"campaigns/lifecycle\.toml: not valid TOML: .*line \d+"),
+    (lambda f: (f / "templates" / "practice_tips.txt.j2").unlink(),
+     r"campaigns/lifecycle\.toml: campaign 'practice_tips': template = 'practice_tips': "
+     r"file \S+/campaigns/templates/practice_tips\.txt\.j2 not found"),
+    (lambda f: replace_in(f / "lifecycle.toml", 'audience_window = "P14D"', 'audience_window = "two weeks"'),
+     r"campaigns/lifecycle\.toml: campaign 'upgrade_offer': audience_window: "),
+    (lambda f: replace_in(f / "lifecycle.toml", 'priority = 4', 'priority = "4"'),
+     r"campaigns/lifecycle\.toml: campaign 'practice_tips': priority must be a int, got '4'"),
+    (lambda f: replace_in(f / "templates" / "outreach.html.j2", "{%- endblock %}", "{% if %}{%- endblock %}"),
+     r"campaigns/templates/outreach\.html\.j2: campaign 'template outreach': template outreach\.html\.j2 is not a "
+     r"valid Jinja template"),
+], ids=["unknown campaign key", "unknown defaults key", "malformed toml", "missing template",
+        "bad duration", "wrong type", "template syntax"])
+def test_a_bad_campaign_file_is_an_import_error_naming_the_file_and_the_field(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: Any, expected: str) -> None:
+    import re
+
+    _, error = bad_campaigns_bag(tmp_path, monkeypatch, edit)
+    assert re.search(expected, error), error
+    assert "CampaignFileError" in error
+
+
+def test_the_dag_file_parses_with_a_campaigns_folder_of_its_own_and_offers_its_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    from mailflow.campaigns import EXAMPLES_DIR
+
+    monkeypatch.delenv("MAILFLOW_CAMPAIGNS_DIR", raising=False)
+    bundle = tmp_path / "dags"
+    bundle.mkdir()
+    shutil.copy(DAGS / "lifecycle_emails.py", bundle)
+    # no campaigns/ yet: the packaged examples
+    bag = DagBag(dag_folder=str(bundle))
+    assert bag.import_errors == {}
+    assert bag.dags["lifecycle_emails"].params.get_param("campaigns").schema["items"]["enum"] == \
+        ["finish_assessment", "first_practice", "upgrade_offer", "practice_tips"]
+    shutil.copytree(EXAMPLES_DIR, bundle / "campaigns", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    replace_in(bundle / "campaigns" / "lifecycle.toml", 'name = "practice_tips"', 'name = "study_tips"')
+    bag = DagBag(dag_folder=str(bundle))
+    assert bag.import_errors == {}
+    assert bag.dags["lifecycle_emails"].params.get_param("campaigns").schema["items"]["enum"] == \
+        ["finish_assessment", "first_practice", "upgrade_offer", "study_tips"]

@@ -59,6 +59,10 @@ class PreparedBatch:
     ``key_identity`` is the non-secret identity of the API key that will send it
     (``ResendClient.key_identity``; None: unknown, e.g. a test double). The store records it with
     the bytes: the provider scopes idempotency keys per API key, so a resend must use that key.
+
+    ``content_hash`` is the hash of the campaign content the body was rendered from (16 hex,
+    ``Campaign.content_hash``; None: unknown), stored with the bytes so analysts can tell which
+    version of a campaign an email came from.
     """
 
     idempotency_key: str
@@ -67,6 +71,7 @@ class PreparedBatch:
     body: bytes
     validation: str | None = None
     key_identity: str | None = None
+    content_hash: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.row_ids) <= 100:

@@ -19,8 +19,10 @@ from mailflow.model.outcome import DataInterval, RunContext
 from mailflow.orchestration import metrics
 
 if TYPE_CHECKING:
+    from mailflow.campaigns import CampaignFolder
     from mailflow.feedback.deliverability import FeedbackSummary
     from mailflow.provider.client import ResendClient
+    from mailflow.sendloop.render import Renderer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,33 @@ def unsubscribe_signer() -> UnsubscribeSigner:
     return signer_from_secret(conn.password, kid=extra.get("kid", "k1"), old=extra.get("old_keys"))
 
 
-def campaigns_param(params: Any) -> list[Any]:
+def campaign_folder(context: Mapping[str, Any] | None) -> CampaignFolder:
+    """The campaigns folder of a task: resolved against the folder of the task's DAG file (the DAG
+    bundle as this worker sees it, at the version the run uses), so campaign files deploy with the
+    DAGs; see :meth:`mailflow.campaigns.CampaignFolder.resolve`. Read anew by every run.
+
+    :raises mailflow.campaigns.CampaignFileError: if ``MAILFLOW_CAMPAIGNS_DIR`` names a missing folder.
+    """
+    from pathlib import Path
+
+    from mailflow.campaigns import CampaignFolder
+
+    fileloc = getattr((context or {}).get("dag"), "fileloc", None)
+    folder = CampaignFolder.resolve(Path(fileloc).parent if fileloc else None)
+    log.info("campaigns folder: %s (%s)", folder.root, folder.origin)
+    return folder
+
+
+def renderer_for(folder: CampaignFolder) -> Renderer:
+    """The run's renderer: the ``mail_unsubscribe`` signer, the public and app URLs, and the
+    templates of ``folder``."""
+    from mailflow.sendloop.render import Renderer, template_env
+
+    return Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url(),
+                    env=template_env(folder.templates_dir))
+
+
+def campaigns_param(params: Any, folder: CampaignFolder | None = None) -> list[Any]:
     """The lifecycle campaigns a run asked for (Param ``campaigns``: a list of declared names;
     empty or missing = all), loaded and validated.
 
@@ -53,7 +81,8 @@ def campaigns_param(params: Any) -> list[Any]:
     fails the task at once with :class:`airflow.sdk.exceptions.AirflowFailException`, i.e. without
     retries: running the same Params again cannot succeed. The trigger form already refuses
     undeclared names (the Param's enum); this covers runs created around it (API, CLI, a
-    ``lifecycle.toml`` changed since the run was triggered).
+    ``lifecycle.toml`` changed since the run was triggered). Campaign files are read from
+    ``folder`` (default: resolved); a bad file fails the task the same way, naming file and field.
     """
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -67,7 +96,7 @@ def campaigns_param(params: Any) -> list[Any]:
     else:
         raise AirflowFailException(f"Param campaigns must be a list of campaign names, got {raw!r}")
     try:
-        return load_campaigns(only=only)
+        return load_campaigns(only=only, folder=folder)
     except ValueError as exc:
         raise AirflowFailException(f"Param campaigns: {exc}") from None
 
@@ -111,7 +140,6 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
 
     from mailflow.model.outcome import SendError
     from mailflow.provider.hook import ResendHook
-    from mailflow.sendloop.render import Renderer
     from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.migrate import require_current
     from mailflow.store.send_log import PostgresStore
@@ -123,8 +151,9 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     interval = DataInterval(context["data_interval_start"], context["data_interval_end"])
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
-    campaigns = campaigns_param(params)
-    renderer = Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url())
+    folder = campaign_folder(context)
+    campaigns = campaigns_param(params, folder)
+    renderer = renderer_for(folder)
     log.info("data interval [%s, %s): campaigns %s", interval.start, interval.end, [c.name for c in campaigns])
     budget = float(params.get("time_budget_seconds", 240))
     if not params.get("dry_run"):
@@ -245,7 +274,7 @@ def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
         require_current(conn)
         summary = provision(conn, int(params["campaign_id"]), now=datetime.now(UTC),
                             chunk=int(params.get("chunk_size") or 5000), dry_run=bool(params.get("dry_run")),
-                            run=_run_context(context))
+                            run=_run_context(context), folder=campaign_folder(context))
     out = summary.as_dict()
     log.info("provisioning summary: %s", json.dumps(out))
     return out
@@ -256,14 +285,14 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     ``coalesce_seconds``. Builds the renderer and the paced Resend client from the connections and
     calls :func:`dispatch`. Returns the :class:`DispatchSummary` as a dict."""
     from mailflow.provider.hook import ResendHook
-    from mailflow.sendloop.render import Renderer
     from mailflow.sources.scheduled.dispatcher import COALESCE_SECONDS, DISPATCH_BUDGET_SECONDS, dispatch
     from mailflow.store.migrate import require_current
 
     params = context["params"]
     metrics.dispatch_lateness(context.get("data_interval_end"), datetime.now(UTC), _dag_id(context))
     budget = budget_fits(context, float(params.get("time_budget_seconds", DISPATCH_BUDGET_SECONDS)))
-    renderer = Renderer(unsubscribe_signer(), settings.unsubscribe_base_url(), settings.app_url())
+    folder = campaign_folder(context)
+    renderer = renderer_for(folder)
     with send_log_connection() as conn:
         require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
@@ -271,7 +300,7 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
             summary = dispatch(conn, client, renderer, run=_run_context(context),
                                budget_seconds=budget,
                                coalesce_seconds=float(params.get("coalesce_seconds", COALESCE_SECONDS)),
-                               pipelined=settings.pipelined())
+                               pipelined=settings.pipelined(), folder=folder)
         finally:
             client.close()
             log.info("provider requests: %s", client.stats)

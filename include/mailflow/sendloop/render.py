@@ -21,7 +21,7 @@ from urllib.parse import quote
 import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 
-from mailflow.campaigns import CAMPAIGNS_DIR, Campaign
+from mailflow.campaigns import Campaign, CampaignFolder
 from mailflow.campaigns.templating import sandboxed_env, subject_template
 from mailflow.model.keys import idempotency_key
 from mailflow.model.outcome import MintedRow, PreparedBatch
@@ -44,10 +44,14 @@ def _autoescape(name: str | None) -> bool:
 
 def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
     """Jinja2 environment for campaign templates: sandboxed (see :mod:`mailflow.campaigns.templating`),
-    HTML autoescaped, text not, strict undefined."""
-    # templates are version-controlled files loaded once per process: no stat() of every
-    # template (and its layout) per email to check for edits during a run (auto_reload off)
-    return sandboxed_env(jinja2.FileSystemLoader(str(templates_dir or CAMPAIGNS_DIR / "templates")),
+    HTML autoescaped, text not, strict undefined.
+
+    :param templates_dir: default: ``templates/`` of the resolved campaigns folder
+        (:meth:`mailflow.campaigns.CampaignFolder.resolve`).
+    """
+    # an environment lives as long as its renderer (one run): each template is read once, on first
+    # use, with no stat() per email (auto_reload off); the next run's renderer reads the files again
+    return sandboxed_env(jinja2.FileSystemLoader(str(templates_dir or CampaignFolder.resolve().templates_dir)),
                          autoescape=_autoescape)
 
 
@@ -151,4 +155,5 @@ class Renderer:
                                   f"{type(exc).__name__}: {exc}") from exc
         body = json.dumps(emails, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
         ids = tuple(r.id for r in rows)
-        return PreparedBatch(idempotency_key=idempotency_key(campaign.name, ids), campaign=campaign.name, row_ids=ids, body=body)
+        return PreparedBatch(idempotency_key=idempotency_key(campaign.name, ids), campaign=campaign.name, row_ids=ids,
+                             body=body, content_hash=campaign.content_hash)

@@ -394,7 +394,7 @@ class PostgresStore:
                         self.conn.execute(query("mint", "save_batch_keyed"), {
                             "key": key, "campaign": batch.campaign, "count": len(batch.row_ids),
                             "body": batch.body, "validation": batch.validation,
-                            "key_identity": batch.key_identity})
+                            "key_identity": batch.key_identity, "content_hash": batch.content_hash})
                     claimed = {int(x[0]) for x in minted_cur}
                     if len(claimed) != len(rows):
                         raise _LostRows(claimed)
@@ -407,7 +407,8 @@ class PostgresStore:
     def _save_batch(self, batch: PreparedBatch) -> PreparedBatch:
         row = self.conn.execute(query("send_log", "save_batch"), {
             "tag": key_tag(batch.campaign), "campaign": batch.campaign, "count": len(batch.row_ids),
-            "body": batch.body, "validation": batch.validation, "key_identity": batch.key_identity}).fetchone()
+            "body": batch.body, "validation": batch.validation, "key_identity": batch.key_identity,
+            "content_hash": batch.content_hash}).fetchone()
         assert row is not None
         batch = dataclasses.replace(batch, idempotency_key=str(row[0]))
         assigned = self.conn.execute(query("send_log", "assign_batch"), {

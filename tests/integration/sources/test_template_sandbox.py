@@ -76,7 +76,7 @@ def test_template_cannot_run_code_in_the_worker(rig: Rig, tmp_path: Path, kind: 
     toml.write_text(text.replace("subject = \"{{ user.first_name or 'Hi' }}, your assessment is waiting for you\"",
                                  f"subject = '''{payload}'''", 1), encoding="utf-8")
     assert toml.read_text(encoding="utf-8") != text
-    with pytest.raises(ValueError, match=r"^lifecycle.toml: campaign 'finish_assessment': subject refused: "):
+    with pytest.raises(ValueError, match=r"/campaigns/lifecycle\.toml: campaign 'finish_assessment': subject refused: "):
         load_campaigns(toml)
 
     # 4. a template file (the HTML body) that reaches out: refused at load, naming campaign and file
@@ -85,7 +85,7 @@ def test_template_cannot_run_code_in_the_worker(rig: Rig, tmp_path: Path, kind: 
     body = html.read_text(encoding="utf-8")
     html.write_text(body.replace("{%- endblock %}", payload + "{%- endblock %}", 1), encoding="utf-8")
     assert payload in html.read_text(encoding="utf-8")
-    with pytest.raises(ValueError, match=r"^lifecycle.toml: campaign 'finish_assessment': "
+    with pytest.raises(ValueError, match=r"/campaigns/lifecycle\.toml: campaign 'finish_assessment': "
                                          r"template finish_assessment.html.j2 refused: "):
         load_campaigns(toml)
 

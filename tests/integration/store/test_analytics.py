@@ -439,9 +439,9 @@ def ask(demo: Demo, n: int, **params: Any) -> list[tuple[Any, ...]]:
     return run_doc_query(demo.conn, n, role=None if n == 3 else "mail_analyst", **params)[1]
 
 
-def test_the_doc_has_thirteen_questions_each_with_sql() -> None:
+def test_the_doc_has_fourteen_questions_each_with_sql() -> None:
     questions = doc_questions()
-    assert sorted(questions) == list(range(1, 14))
+    assert sorted(questions) == list(range(1, 15))
     assert all(sql.lstrip().lower().startswith(("select", "with")) for _, _, sql in questions.values())
 
 
@@ -460,6 +460,15 @@ def test_every_question_runs_unmodified_on_the_demo_data(demo: Demo) -> None:
     assert sum(r[0] * r[1] for r in got[10]) >= len(demo.outbox)
     for n in (7, 8, 9):  # may legitimately be empty on a healthy demo; they run as written
         assert isinstance(got[n], list)
+
+
+def test_q14_tells_the_analyst_which_campaign_version_each_email_came_from(demo: Demo) -> None:
+    # as mail_analyst: migration 0023 granted the new column; one version, the packaged examples'
+    [(content_hash, emails, first_sent, last_sent)] = ask(demo, 14)
+    [fp] = load_campaigns(only=[FP_CAMPAIGN])
+    assert FP_CAMPAIGN == "first_practice"
+    assert content_hash == fp.content_hash and len(content_hash) == 16
+    assert emails == demo.summaries[FP_CAMPAIGN].sent > 0 and first_sent <= last_sent
 
 
 def test_the_run_itself(demo: Demo) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 import psycopg
 
-from mailflow.campaigns import Campaign, load_policy
+from mailflow.campaigns import Campaign, CampaignFolder, load_policy, scheduled_content_hash
 from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
 from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
@@ -118,12 +118,14 @@ def _deferred_times(conn: psycopg.Connection, c: Mapping[str, Any],
     return out
 
 
-def _render_campaign(c: Mapping[str, Any]) -> Campaign:
+def _render_campaign(c: Mapping[str, Any], folder: CampaignFolder) -> Campaign:
     """The renderer's :class:`Campaign` for a ``mail.campaign`` row: the subject is the snapshot
-    rendered at provisioning (``user.subject``); audience fields are unused."""
+    rendered at provisioning (``user.subject``); audience fields are unused. Its content hash is
+    the row's and the folder's templates' (:func:`mailflow.campaigns.scheduled_content_hash`)."""
     return Campaign(name=str(c["name"]), priority=0, audience_sql="", template=str(c["template"]),
                     subject="{{ user.subject }}", from_address=str(c["from_address"]), reply_to=c["reply_to"],
-                    cooldown=timedelta(0), audience_window=timedelta(0), marketing=bool(c["marketing"]))
+                    cooldown=timedelta(0), audience_window=timedelta(0), marketing=bool(c["marketing"]),
+                    content_hash=scheduled_content_hash(c, folder))
 
 
 @dataclass
@@ -141,7 +143,7 @@ class Dispatcher:
     """One dispatch call's state: the connection, the lifecycle store (apply, rebatch, batches)."""
 
     def __init__(self, conn: psycopg.Connection, renderer: Renderer, run: RunContext, batch_size: int,
-                 policy: ContactPolicy | None = None):
+                 policy: ContactPolicy | None = None, folder: CampaignFolder | None = None):
         self.conn = conn
         self.store = PostgresStore(conn)
         self.renderer = renderer
@@ -150,7 +152,9 @@ class Dispatcher:
         self.batch_size = batch_size
         self.campaigns: dict[str, Campaign] = {}
         self.campaign_rows: dict[str, dict[str, Any]] = {}
-        self.policy: ContactPolicy = policy if policy is not None else load_policy()
+        # read once per dispatch call (a run): the next run sees an edited folder
+        self.folder = folder or CampaignFolder.resolve()
+        self.policy: ContactPolicy = policy if policy is not None else load_policy(folder=self.folder)
         self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
         self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
 
@@ -169,7 +173,7 @@ class Dispatcher:
             c = ScheduledStore(self.conn).campaign_by_name(name)
             if c is None:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
-            self.campaigns[name] = _render_campaign(c)
+            self.campaigns[name] = _render_campaign(c, self.folder)
         return self.campaigns[name]
 
     def claim(self) -> tuple[int, Claim | None]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 
+from mailflow.campaigns import CampaignFolder
 from mailflow.model.apply_by_index import campaign_field
 from mailflow.model.clock import Clock, SystemClock
 from mailflow.model.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
@@ -64,7 +65,8 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
              poll_seconds: float = POLL_SECONDS, batch_size: int = BATCH_SIZE,
              send_grace_seconds: float = SEND_GRACE_SECONDS, clock: Clock | None = None,
              run: RunContext | None = None, policy: ContactPolicy | None = None,
-             pipelined: bool = False, breaker: CircuitBreaker | None = None) -> DispatchSummary:
+             pipelined: bool = False, breaker: CircuitBreaker | None = None,
+             folder: CampaignFolder | None = None) -> DispatchSummary:
     """Send due scheduled rows until nothing is due within the budget, or the budget is spent.
 
     Loop: ask the database how long until a claim is worth it (the earliest due row has waited
@@ -94,7 +96,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         monotonic timeline; a claimed batch may run ``send_grace_seconds`` past the budget.
     :param budget_seconds: no new claim or wait starts after this many seconds (monotonic).
     :param batch_size: emails per request, 1-100.
-    :param policy: the contact policy (default: ``[policy]`` of ``campaigns/lifecycle.toml``).
+    :param policy: the contact policy (default: ``[policy]`` of the campaigns folder's ``lifecycle.toml``).
+    :param folder: the campaigns folder (default: :meth:`CampaignFolder.resolve`): the policy and
+        the templates' content hash recorded on each batch (the renderer's templates should be its own).
     :param pipelined: claim, render and store batch N+1 while batch N is in flight
         (:class:`mailflow.sendloop.engine.ChunkPipeline`: one batch in flight, its answer applied on ``conn``;
         a crash leaves at most two claimed batches, both with their bytes, for the reconciler).
@@ -112,7 +116,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH} emails (provider batch limit), got {batch_size}")
     clock = clock or SystemClock()
     run = run or RunContext()
-    d = Dispatcher(conn, renderer, run, batch_size, policy)
+    d = Dispatcher(conn, renderer, run, batch_size, policy, folder)
     d.key_identity = key_identity_of(provider)
     summary = DispatchSummary()
     t0 = clock.monotonic()

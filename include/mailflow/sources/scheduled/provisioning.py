@@ -15,7 +15,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from mailflow import settings
-from mailflow.campaigns import CAMPAIGNS_DIR
+from mailflow.campaigns import CampaignFolder
 from mailflow.campaigns.templating import check_campaign_templates, subject_template
 from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import (
@@ -74,10 +74,10 @@ class ProvisionSummary:
         return out
 
 
-def _recipient_source(conn: psycopg.Connection, c: Mapping[str, Any]) -> pgsql.Composable:
+def _recipient_source(conn: psycopg.Connection, c: Mapping[str, Any], folder: CampaignFolder) -> pgsql.Composable:
     """The campaign's recipient query (trusted: a version-controlled file, or a checked table name)."""
     if c["recipients_sql"]:
-        text = recipients_file(str(c["recipients_sql"]), c["name"]).read_text(encoding="utf-8")
+        text = recipients_file(str(c["recipients_sql"]), c["name"], folder).read_text(encoding="utf-8")
         return pgsql.SQL(text.strip().rstrip(";"))  # trusted file from the package
     m = TABLE_NAME.match(str(c["recipients_table"] or ""))
     if not m:
@@ -108,7 +108,8 @@ def _snapshot(rec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
 
 def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chunk: int = 5000,
               dry_run: bool = False, run: RunContext | None = None,
-              after_chunk: Callable[[ProvisionSummary], None] | None = None) -> ProvisionSummary:
+              after_chunk: Callable[[ProvisionSummary], None] | None = None,
+              folder: CampaignFolder | None = None) -> ProvisionSummary:
     """Create one ``pending`` send-log row (``kind = 'scheduled'``) per recipient, with its planned
     ``scheduled_at`` (UTC) and a snapshot (address; context = the recipient's extra columns plus the
     rendered ``subject``), ``chunk`` recipients per transaction.
@@ -123,6 +124,7 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     :param now: aware "now"; anchors a first plan at ``max(start_at, now)``.
     :param dry_run: plan the recipients still to provision and summarise; write nothing.
     :param after_chunk: called after each chunk commits (tests inject a crash here).
+    :param folder: the campaigns folder of the templates and recipients files (default: resolved).
     :raises ValueError: for a naive ``now``, a bad chunk size, a missing template or recipients
         file, a subject that needs a column the recipients lack (naming campaign and user), or a
         subject or template that tries to leave the sandbox (refused before anything renders).
@@ -133,9 +135,10 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 recipients, got {chunk}")
     run = run or RunContext()
+    folder = folder or CampaignFolder.resolve()
     summary = ProvisionSummary(campaign_id=campaign_id, dry_run=dry_run)
     if dry_run:
-        return _dry_run(conn, campaign_id, now, summary)
+        return _dry_run(conn, campaign_id, now, summary, folder)
     actor = actor_name(run, None)
     per_day: dict[date, int] = {}
     subject_t: jinja2.Template | None = None
@@ -151,12 +154,12 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 log.info("campaign %s is %s: nothing to provision", c["name"], c["status"])
                 break
             if subject_t is None:
-                check_templates(c["template"], c["name"])
+                check_templates(c["template"], c["name"], folder)
                 # a campaign created before subjects were checked: refused here, never run
-                check_campaign_templates(c["name"], c["subject"], c["template"], CAMPAIGNS_DIR / "templates")
+                check_campaign_templates(c["name"], c["subject"], c["template"], folder.templates_dir)
                 subject_t = subject_template(c["subject"])
             plan_start = c["plan_start"] or max(c["start_at"], now)
-            source = _recipient_source(conn, c)
+            source = _recipient_source(conn, c, folder)
             after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
             page = ScheduledStore(conn).recipients_page(source, after, chunk, c["name"], campaign_id)
             current = c["status"]
@@ -226,15 +229,16 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     return summary
 
 
-def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary: ProvisionSummary) -> ProvisionSummary:
+def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary: ProvisionSummary,
+             folder: CampaignFolder) -> ProvisionSummary:
     with conn.transaction():
         c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         spec = plan_spec(c)
-        check_templates(c["template"], c["name"])
+        check_templates(c["template"], c["name"], folder)
         after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
-        remaining = ScheduledStore(conn).recipients_count(_recipient_source(conn, c), after, c["name"], campaign_id)
+        remaining = ScheduledStore(conn).recipients_count(_recipient_source(conn, c, folder), after, c["name"], campaign_id)
     plan_start = c["plan_start"] or max(c["start_at"], now)
     times = list(plan_after(spec, plan_start, int(c["plan_skip"]), c["planned_through"], remaining))
     if times and times[0] < now:

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from mailflow.campaigns import CAMPAIGNS_DIR
+from mailflow.campaigns import CampaignFolder
 from mailflow.campaigns.templating import check_campaign_templates
 from mailflow.sources.scheduled.campaign_db import record_event
 from mailflow.sources.scheduled.planning import PlanSpec
@@ -39,19 +39,20 @@ def resolve_campaign(conn: psycopg.Connection, ref: str | int) -> int:
     return found
 
 
-def check_templates(template: str, label: str) -> None:
-    for suffix in (".html.j2", ".txt.j2"):
-        t = CAMPAIGNS_DIR / "templates" / f"{template}{suffix}"
-        if not _NAME.match(template) or not t.is_file():
-            raise ValueError(f"campaign {label!r}: template {t} not found")
+def check_templates(template: str, label: str, folder: CampaignFolder | None = None) -> None:
+    """Both files of ``template`` exist in the campaigns folder (default: the resolved one).
+
+    :raises mailflow.campaigns.CampaignFileError: (a ValueError) naming the file and the campaign.
+    """
+    (folder or CampaignFolder.resolve()).check_template_files(template, label)
 
 
-def recipients_file(name: str, label: str) -> Path:
-    stem = name[:-4] if name.endswith(".sql") else name
-    path = CAMPAIGNS_DIR / "recipients" / f"{stem}.sql"
-    if not _NAME.match(stem) or not path.is_file():
-        raise ValueError(f"campaign {label!r}: recipients file {path} not found")
-    return path
+def recipients_file(name: str, label: str, folder: CampaignFolder | None = None) -> Path:
+    """The recipients SQL file ``name`` of the campaigns folder (default: the resolved one).
+
+    :raises mailflow.campaigns.CampaignFileError: (a ValueError) naming the file and the campaign.
+    """
+    return (folder or CampaignFolder.resolve()).recipients_file(name, label)
 
 
 def load_spec(path: Path) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def load_spec(path: Path) -> dict[str, Any]:
 
 
 def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor: str | None = None,
-                    base_dir: Path | None = None) -> int:
+                    base_dir: Path | None = None, folder: CampaignFolder | None = None) -> int:
     """Create a ``draft`` campaign from a spec mapping; return its id.
 
     Keys: ``name`` (``[a-z0-9_]``, = the send log's campaign), ``template``, ``subject`` (Jinja over
@@ -86,6 +87,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     ``campaigns/recipients/``), ``recipients_table`` (``schema.table`` with user_id, email,
     first_name columns) or ``recipients_csv`` (a CSV file with user_id, email, first_name and any
     extra columns, uploaded into ``mail.campaign_recipient``; relative to ``base_dir``).
+    Templates and recipients files come from ``folder`` (default: the resolved campaigns folder).
 
     :raises ValueError: naming the campaign and the field for anything invalid, including a subject
         or template that is not valid Jinja or tries to leave the sandbox (it is refused, never run).
@@ -104,9 +106,10 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
                     emails_per_day=int(spec.get("emails_per_day", 20)),
                     weekdays=frozenset(int(d) for d in spec.get("weekdays", (1, 2, 3, 4, 5))),
                     windows=tuple(spec.get("windows", ("09:00-12:00", "14:00-17:00"))))
-    check_templates(str(spec["template"]), label)
+    folder = folder or CampaignFolder.resolve()
+    check_templates(str(spec["template"]), label, folder)
     # subject and templates render in the sandbox: refuse one that tries to leave it here, not at send
-    check_campaign_templates(label, str(spec["subject"]), str(spec["template"]), CAMPAIGNS_DIR / "templates")
+    check_campaign_templates(label, str(spec["subject"]), str(spec["template"]), folder.templates_dir)
     start_at = spec.get("start_at")
     if isinstance(start_at, str):
         start_at = datetime.fromisoformat(start_at)
@@ -118,7 +121,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
     canary = canary_fields(spec, label)
     recipients_sql = recipients_table = None
     if spec.get("recipients_sql"):
-        recipients_sql = recipients_file(str(spec["recipients_sql"]), label).stem
+        recipients_sql = recipients_file(str(spec["recipients_sql"]), label, folder).stem
     elif spec.get("recipients_table"):
         recipients_table = str(spec["recipients_table"])
         if not TABLE_NAME.match(recipients_table):

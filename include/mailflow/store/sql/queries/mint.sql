@@ -48,8 +48,10 @@ select user_id from minted
 -- (mf-<installation id>-<campaign tag>-<batch serial>-<16 hex of sha256(body)>, the format of
 -- send_log.save_batch; the serial comes from mint.allocate). Any later retry resends these bytes.
 -- key_identity: the sending API key's identity (a resend must use the same key).
-insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation, key_identity)
-values (%(key)s, %(campaign)s, %(count)s, %(body)s, %(validation)s, %(key_identity)s)
+-- campaign_content_hash: the campaign content the bytes were rendered from (with the bytes, never apart).
+insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation, key_identity,
+                             campaign_content_hash)
+values (%(key)s, %(campaign)s, %(count)s, %(body)s, %(validation)s, %(key_identity)s, %(content_hash)s)
 
 -- name: rejected_of_run
 -- Normalised addresses the provider rejected earlier in this run (any campaign), read once per run

@@ -5,10 +5,12 @@
 -- The installation id is unique per database (0006), the serial per batch in it, and the body
 -- digest makes a key restored from a backup name the same bytes or a different key.
 -- key_identity: the sending API key's identity (a resend must use the same key).
-insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation, key_identity)
+-- campaign_content_hash: the campaign content the bytes were rendered from (with the bytes, never apart).
+insert into mail.send_batch (idempotency_key, campaign, email_count, body, validation, key_identity,
+                             campaign_content_hash)
 select 'mf-' || i.id || '-' || %(tag)s || '-' || nextval('mail.send_batch_serial')::text
            || '-' || left(encode(sha256(%(body)s::bytea), 'hex'), 16),
-       %(campaign)s, %(count)s, %(body)s, %(validation)s, %(key_identity)s
+       %(campaign)s, %(count)s, %(body)s, %(validation)s, %(key_identity)s, %(content_hash)s
 from mail.installation i
 returning idempotency_key
 
