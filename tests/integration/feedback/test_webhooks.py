@@ -9,7 +9,6 @@ import random
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import psycopg
 import pytest
@@ -19,14 +18,17 @@ from webhook_rig import (
     SECOND,
     SECRET,
     at,
+    client,  # noqa: F401 - a fixture
     decisions,
     envelope,
     events,
     inbox,
+    post,
     seed_sent,
     signed,
     status,
     suppressions,
+    wdb,  # noqa: F401 - a fixture
 )
 
 from mailflow.feedback.webhooks import (
@@ -37,27 +39,6 @@ from mailflow.feedback.webhooks import (
     create_app,
     mark_alerted,
 )
-
-
-@pytest.fixture
-def wdb(db: psycopg.Connection) -> psycopg.Connection:
-    db.execute("truncate mail.webhook_event")
-    return db
-
-
-@pytest.fixture
-def client(wdb: psycopg.Connection, db_dsn: str) -> Iterator[TestClient]:
-    # no sweep loop here (the tests run apply_pending themselves); test_the_receiver_sweeps_by_itself has one
-    app = create_app([SECRET, SECOND], connect_factory(db_dsn),
-                     writer=GroupWriter(connect_factory(db_dsn), sweep_every=0))
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
-
-
-def post(client: TestClient, payload: dict[str, Any] | bytes, **kw: Any) -> Any:
-    body, headers = signed(payload, **kw)
-    return client.post("/resend", content=body, headers=headers)
-
 
 # -- verification -----------------------------------------------------------------------------------
 

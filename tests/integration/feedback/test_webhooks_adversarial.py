@@ -11,7 +11,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,32 +19,26 @@ import psycopg
 import pytest
 from starlette.testclient import TestClient
 from test_webhooks_server import receiver
-from webhook_rig import SECOND, SECRET, at, envelope, events, inbox, seed_sent, signed, status, suppressions
+from webhook_rig import (
+    SECRET,
+    at,
+    client,  # noqa: F401 - a fixture
+    envelope,
+    events,
+    inbox,
+    post,
+    seed_sent,
+    signed,
+    status,
+    suppressions,
+    wdb,  # noqa: F401 - a fixture
+)
 
 from mailflow.feedback.webhook_ingest import WebhookEvent, ingest, parse_event
 from mailflow.feedback.webhook_verify import sign
 from mailflow.feedback.webhooks import GroupWriter, Unavailable, connect_factory, create_app
 from mailflow.store.outcomes import provider_recipient, recipient_matches
 from mailflow.store.sql import query
-
-
-@pytest.fixture
-def wdb(db: psycopg.Connection) -> psycopg.Connection:
-    db.execute("truncate mail.webhook_event, mail.delivery_event")
-    return db
-
-
-@pytest.fixture
-def client(wdb: psycopg.Connection, db_dsn: str) -> Iterator[TestClient]:
-    app = create_app([SECRET, SECOND], connect_factory(db_dsn),
-                     writer=GroupWriter(connect_factory(db_dsn), sweep_every=0))
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
-
-
-def post(client: TestClient, payload: dict[str, Any] | bytes, **kw: Any) -> Any:
-    body, headers = signed(payload, **kw)
-    return client.post("/resend", content=body, headers=headers)
 
 
 def stored(db: psycopg.Connection) -> int:

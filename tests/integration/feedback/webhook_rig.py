@@ -6,12 +6,16 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
+import pytest
+from starlette.testclient import TestClient
 
 from mailflow.feedback.webhook_verify import sign
+from mailflow.feedback.webhooks import GroupWriter, connect_factory, create_app
 from mailflow.store.policy import mailbox_key
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -96,3 +100,25 @@ def decisions(db: psycopg.Connection) -> list[tuple[int, str]]:
 
 def at(minutes: float) -> datetime:
     return T0 + timedelta(minutes=minutes)
+
+
+def post(client: Any, payload: dict[str, Any] | bytes, **kw: Any) -> Any:
+    """POST ``payload`` signed (:func:`signed`'s keywords) to the receiver's ``/resend``."""
+    body, headers = signed(payload, **kw)
+    return client.post("/resend", content=body, headers=headers)
+
+
+@pytest.fixture
+def wdb(db: psycopg.Connection) -> psycopg.Connection:
+    """The send log, emptied (the ``db`` fixture empties the webhook inbox and the delivery events too).
+    Test modules import this fixture and :func:`client` from here."""
+    return db
+
+
+@pytest.fixture
+def client(wdb: psycopg.Connection, db_dsn: str) -> Iterator[TestClient]:
+    """The receiver with both secrets and no sweep loop (the tests run apply_pending themselves)."""
+    app = create_app([SECRET, SECOND], connect_factory(db_dsn),
+                     writer=GroupWriter(connect_factory(db_dsn), sweep_every=0))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
