@@ -66,7 +66,7 @@ AIRFLOW_OWNED = _closure(["apache-airflow", "apache-airflow-providers-postgres"]
 def test_the_runtime_file_has_lower_bounds_only_and_nothing_airflow_or_a_tool_owns() -> None:
     runtime = _requirements(ROOT / "requirements.txt")
     names = {canonicalize_name(r.name) for r in runtime}
-    assert names == {"psycopg", "httpx", "jinja2", "email-validator", "starlette", "uvicorn", "standardwebhooks"}
+    assert names == {"psycopg", "httpx", "jinja2", "email-validator", "starlette", "uvicorn", "standardwebhooks", "holidays"}
     for req in runtime:
         assert {s.operator for s in req.specifier} == {">="}, f"{req}: lower bounds only, never a pin"
         assert not canonicalize_name(req.name).startswith("apache-airflow"), req

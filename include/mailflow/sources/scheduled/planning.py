@@ -35,6 +35,7 @@ Rules (the single source of truth; the tests in ``tests/unit/sources/test_planne
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -43,7 +44,9 @@ from itertools import dropwhile, islice
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-__all__ = ["PlanSpec", "PlanSummary", "Window", "load_zone", "plan_day", "plan_send_times", "summarize", "plan_spec", "plan_after"]
+import holidays
+
+__all__ = ["PlanSpec", "PlanSummary", "Window", "holiday_calendar", "load_zone", "plan_day", "plan_send_times", "summarize", "plan_spec", "plan_after"]
 
 _HOUR = timedelta(hours=1)
 _SECOND = timedelta(seconds=1)
@@ -53,6 +56,24 @@ _MAX_EMPTY_DAYS = 800  # safety valve: no real zone has this many allowed days w
 _DAY = timedelta(days=1)
 _TIME = r"(\d{1,2}):(\d{2})(?::(\d{2}))?"
 _WINDOW_RE = re.compile(rf"^\s*{_TIME}\s*-\s*{_TIME}\s*$")
+
+
+@functools.cache
+def holiday_calendar(code: str) -> holidays.HolidayBase:
+    """The public holidays of ``code``: a country (ISO 3166-1 alpha-2, ``"DE"``) or a country and
+    subdivision (``"DE-BY"``, ``"US-CA"``), from the ``holidays`` library (its data, its
+    subdivision codes). The calendar is a local-date set that fills in years as they are asked for.
+
+    :raises ValueError: naming the code, for a country or subdivision the library does not know.
+    """
+    country, _, subdiv = code.strip().upper().partition("-")
+    supported = holidays.list_supported_countries()
+    if country not in supported:
+        raise ValueError(f"unknown holiday country {country!r} in {code!r} (use an ISO 3166-1 code such as DE, FR, US)")
+    if subdiv and subdiv not in supported[country]:
+        raise ValueError(f"unknown holiday region {code!r}: {country} has the subdivisions "
+                         f"{', '.join(supported[country]) or 'none'}")
+    return holidays.country_holidays(country, subdiv=subdiv or None)
 
 
 def load_zone(key: str) -> ZoneInfo:
@@ -148,12 +169,16 @@ class PlanSpec:
       stored sorted by start. Touching windows (``09:00-12:00``, ``12:00-13:00``) are allowed. The
       last window may end at ``24:00`` or cross midnight (``23:00-01:00``); its tail on the next date
       must not overlap that date's first window.
+    - ``holidays``: a country (``"DE"``) or country-subdivision (``"DE-BY"``, ``"US-CA"``) code of the
+      ``holidays`` library, or None. A plan day whose local date is one of its public holidays sends
+      nothing, like a weekday not allowed (:func:`holiday_calendar`).
     """
 
     timezone: str = "Europe/Berlin"
     emails_per_day: int = 20
     weekdays: frozenset[int] = frozenset({1, 2, 3, 4, 5})
     windows: tuple[Window, ...] = field(default=_DEFAULT_WINDOWS)
+    holidays: str | None = None
 
     def __post_init__(self) -> None:
         load_zone(self.timezone)
@@ -178,6 +203,14 @@ class PlanSpec:
                              "next day's)")
         object.__setattr__(self, "weekdays", days)
         object.__setattr__(self, "windows", windows)
+        if self.holidays is not None:
+            holiday_calendar(self.holidays)
+
+    def sends_on(self, day: date) -> bool:
+        """True if plan day ``day`` (a local date) may send: an allowed weekday, not a holiday."""
+        if day.isoweekday() not in self.weekdays:
+            return False
+        return self.holidays is None or day not in holiday_calendar(self.holidays)
 
     @property
     def zone(self) -> ZoneInfo:
@@ -281,13 +314,14 @@ def _generate(spec: PlanSpec, count: int, start: datetime) -> Iterator[datetime]
     zone = spec.zone
     day, floor, remaining, empty_days = plan_day(spec, start), start, count, 0
     while remaining > 0:
-        slots = _day_slots(spec, zone, day, floor) if day.isoweekday() in spec.weekdays else []
+        sends = spec.sends_on(day)
+        slots = _day_slots(spec, zone, day, floor) if sends else []
         if slots:
             empty_days = 0
             yield from slots[:remaining]
             remaining -= len(slots)
             floor = slots[-1] + _MICRO
-        elif day.isoweekday() in spec.weekdays:
+        elif sends:
             empty_days += 1
             if empty_days > _MAX_EMPTY_DAYS:
                 raise RuntimeError(f"no window time on {_MAX_EMPTY_DAYS} consecutive allowed days")
@@ -346,7 +380,8 @@ def plan_spec(campaign: Mapping[str, Any]) -> PlanSpec:
     """
     return PlanSpec(timezone=str(campaign["timezone"]), emails_per_day=int(campaign["emails_per_day"]),
                     weekdays=frozenset(int(d) for d in campaign["weekdays"]),
-                    windows=tuple(Window.parse(str(w)) for w in campaign["windows"]))
+                    windows=tuple(Window.parse(str(w)) for w in campaign["windows"]),
+                    holidays=campaign.get("holidays"))
 
 
 def local_midnight(day: date, spec: PlanSpec) -> datetime:

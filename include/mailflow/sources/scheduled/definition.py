@@ -1,0 +1,233 @@
+"""The one model of a scheduled campaign's definition (pydantic): the spec files (TOML/JSON), the
+``mailflow campaign`` CLI and the Airflow forms (``campaign_create``'s Params are generated from
+its JSON schema) all validate through :func:`parse_definition`.
+
+Strict: an unknown key is an error (``emails_per_dya``), types are not coerced from text
+(``"20"`` is not a number, ``"true"`` is not a boolean), and every error names the field.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from email.utils import parseaddr
+from typing import Annotated, Any, Literal
+
+import email_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+
+from mailflow.sources.scheduled.planning import PlanSpec, Window, load_zone
+
+__all__ = ["RESERVED_NAMES", "CampaignDefinition", "CampaignDefinitionError", "parse_definition", "check_address"]
+
+#: names no campaign may take: ``all`` means "every campaign" in the CLI, the DAG forms and reports
+RESERVED_NAMES = frozenset({"all"})
+NAME_PATTERN = r"^[a-z0-9_]{1,64}$"
+RECIPIENT_SOURCES = ("recipients_sql", "recipients_table", "recipients_csv")
+
+
+class CampaignDefinitionError(ValueError):
+    """A campaign definition was refused. ``errors`` holds ``(field, reason)`` pairs; the message
+    names the campaign and every field."""
+
+    def __init__(self, label: str, errors: list[tuple[str, str]]) -> None:
+        self.label = label
+        self.errors = errors
+        lines = "; ".join(f"{f}: {r}" for f, r in errors)
+        super().__init__(f"campaign {label!r} refused: {lines}")
+
+
+def check_address(value: str, field: str) -> str:
+    """Validate a sender-side address, bare (``news@example.com``) or with a display name
+    (``Mailflow <news@example.com>``), by RFC 5322 syntax (``email.utils.parseaddr``) and the
+    address itself by email-validator (no DNS lookup). Returns ``value`` stripped.
+
+    :raises ValueError: naming ``field`` and the reason.
+    """
+    text = value.strip()
+    name, addr = parseaddr(text)
+    if not addr or ("<" in text and not text.endswith(">")):
+        raise ValueError(f"{field} {value!r} is not an email address (write a@example.com or Name <a@example.com>)")
+    try:
+        email_validator.validate_email(addr, check_deliverability=False)
+    except email_validator.EmailNotValidError as exc:
+        raise ValueError(f"{field} {value!r} is not a valid address: {exc}") from None
+    return text
+
+
+def parse_window(text: str) -> Window:
+    """A window as written in a definition: ``HH:MM-HH:MM``, or ``HH:MM-HH:MM+1`` for one that ends
+    on the next local date (``22:00-02:00+1``). ``24:00`` ends at midnight without a ``+1``. A window
+    whose end is not after its start must say ``+1``: ``17:00-09:00`` is refused instead of being read
+    as overnight.
+
+    :raises ValueError: naming the window and the reason.
+    """
+    raw = text.strip()
+    explicit = raw.endswith("+1")
+    window = Window.parse(raw[:-2] if explicit else raw)
+    ends_midnight = window.end.hour == 0 and window.end.minute == 0 and window.end.second == 0
+    if window.crosses_midnight and not ends_midnight and not explicit:
+        raise ValueError(f"window {raw!r} ends before it starts: if it runs overnight into the next day, "
+                         f"write {raw + '+1'!r}")
+    if explicit and not window.crosses_midnight:
+        raise ValueError(f"window {raw!r} says +1 (ends the next day) but ends after it starts on the same day")
+    return window
+
+
+StrictInt = Annotated[int, Strict()]
+StrictBool = Annotated[bool, Strict()]
+Share = Annotated[float, Strict()]
+
+
+class CampaignDefinition(BaseModel):
+    """A scheduled campaign as a person defines it (keys of a spec file, fields of the form).
+
+    Shapes and units: ``timezone`` an IANA key; ``windows`` local wall-clock ``HH:MM-HH:MM`` in that
+    zone (``+1``: ends the next day); ``weekdays`` ISO numbers (1 = Monday); ``start_at`` an aware
+    datetime or ISO-8601 text with an offset (None: when provisioned); ``holidays`` a country or
+    country-subdivision code of the ``holidays`` library (``DE``, ``DE-BY``, ``US-CA``): those
+    public holidays are skipped like a weekday not allowed; shares are fractions in [0, 1).
+    Exactly one recipient source: ``recipients_sql`` (a file in ``campaigns/recipients/``),
+    ``recipients_table`` (``schema.table``) or ``recipients_csv`` (a CSV path).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, str_strip_whitespace=True)
+
+    name: str = Field(pattern=NAME_PATTERN, description="Unique across scheduled and lifecycle campaigns; "
+                      "lower-case letters, digits and _. 'all' is reserved.")
+    template: str = Field(min_length=1, description="Template name in campaigns/templates (NAME.html.j2 + NAME.txt.j2).")
+    subject: str = Field(min_length=1, description="Subject line (Jinja over user, e.g. 'Hi {{ user.first_name }}').")
+    from_address: str = Field(alias="from", description="Sender: a@example.com or Name <a@example.com>.")
+    reply_to: str | None = Field(None, description="Optional Reply-To address.")
+    timezone: str = Field("Europe/Berlin", description="IANA timezone of the windows and weekdays.")
+    emails_per_day: StrictInt = Field(20, ge=1, le=1_000_000, description="Emails sent on each sending day.")
+    weekdays: list[StrictInt] = Field(default_factory=lambda: [1, 2, 3, 4, 5], min_length=1, max_length=7,
+                                      description="ISO weekdays that send (1 = Monday .. 7 = Sunday).")
+    windows: list[str] = Field(default_factory=lambda: ["09:00-12:00", "14:00-17:00"], min_length=1,
+                               description="Local send windows HH:MM-HH:MM; a window into the next day ends in +1.")
+    holidays: str | None = Field(None, description="Skip the public holidays of this country or region "
+                                 "(holidays library code: DE, DE-BY, US-CA); empty: none skipped.")
+    start_at: datetime | None = Field(None, description="First possible send (ISO 8601 with offset); empty: now.")
+    marketing: StrictBool = Field(True, description="Marketing mail (unsubscribe link, List-Unsubscribe).")
+    on_policy: Literal["defer", "skip", "ignore"] = Field(
+        "defer", description="A due email the contact policy holds back: defer to a later slot, skip it, "
+        "or ignore the policy (transactional mail only).")
+    holdout_share: Share = Field(0.0, ge=0, lt=1, description="Share of recipients held out as a control "
+                                 "group (recorded, never sent), e.g. 0.1.")
+    canary_share: Share | None = Field(None, gt=0, lt=1, description="Send this share first and hold the rest "
+                                       "until its outcomes are in.")
+    canary_min_outcome_share: Share | None = Field(None, gt=0, le=1)
+    canary_max_wait_minutes: Share | None = Field(None, gt=0)
+    recipients_sql: str | None = Field(None, description="Recipients query file in campaigns/recipients.")
+    recipients_table: str | None = Field(None, pattern=r"^(?:[a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$",
+                                         description="Recipients table schema.table (user_id, email, first_name).")
+    recipients_csv: str | None = Field(None, description="CSV file of recipients (user_id, email, first_name, ...).")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_NAMES:
+            raise ValueError(f"{v!r} is reserved (it means every campaign)")
+        return v
+
+    @field_validator("from_address")
+    @classmethod
+    def _from(cls, v: str) -> str:
+        return check_address(v, "from")
+
+    @field_validator("reply_to")
+    @classmethod
+    def _reply_to(cls, v: str | None) -> str | None:
+        return check_address(v, "reply_to") if v else None
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, v: str) -> str:
+        load_zone(v)
+        return v
+
+    @field_validator("weekdays")
+    @classmethod
+    def _weekdays(cls, v: list[int]) -> list[int]:
+        bad = [d for d in v if d not in range(1, 8)]
+        if bad:
+            raise ValueError(f"ISO weekday numbers are 1..7 (1 = Monday), got {bad}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"a weekday is listed twice: {v}")
+        return sorted(v)
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, v: list[str]) -> list[str]:
+        for w in v:
+            parse_window(w)
+        return [w.strip() for w in v]
+
+    @field_validator("holidays")
+    @classmethod
+    def _holidays(cls, v: str | None) -> str | None:
+        if not v:
+            return None
+        from mailflow.sources.scheduled.planning import holiday_calendar
+
+        holiday_calendar(v)  # raises ValueError naming the code
+        return v
+
+    @field_validator("start_at")
+    @classmethod
+    def _aware(cls, v: datetime | None) -> datetime | None:
+        if v is not None and v.tzinfo is None:
+            raise ValueError("must carry a UTC offset (e.g. 2026-12-07T09:00:00+01:00)")
+        return v
+
+    @model_validator(mode="after")
+    def _whole(self) -> CampaignDefinition:
+        sources = [k for k in RECIPIENT_SOURCES if getattr(self, k)]
+        if len(sources) != 1:
+            raise ValueError(f"give exactly one of {', '.join(RECIPIENT_SOURCES)} (got {', '.join(sources) or 'none'})")
+        if self.canary_share is None and (self.canary_min_outcome_share is not None
+                                          or self.canary_max_wait_minutes is not None):
+            raise ValueError("canary_min_outcome_share and canary_max_wait_minutes need a canary_share")
+        self.plan_spec()  # the windows together: overlaps, a night window running into the next morning's
+        return self
+
+    def plan_spec(self) -> PlanSpec:
+        """The planner settings of this definition (:class:`PlanSpec`)."""
+        return PlanSpec(timezone=self.timezone, emails_per_day=self.emails_per_day,
+                        weekdays=frozenset(self.weekdays), windows=tuple(parse_window(w) for w in self.windows),
+                        holidays=self.holidays)
+
+    @property
+    def recipient_source(self) -> tuple[str, str]:
+        """``(key, value)`` of the one recipient source given."""
+        for k in RECIPIENT_SOURCES:
+            if v := getattr(self, k):
+                return k, str(v)
+        raise AssertionError("validated: exactly one recipient source")
+
+    def as_spec(self) -> dict[str, Any]:
+        """The definition as spec keys (``from``, not ``from_address``), None values dropped."""
+        return {k: v for k, v in self.model_dump(by_alias=True).items() if v is not None}
+
+
+def parse_definition(data: Any, label: str | None = None) -> CampaignDefinition:
+    """Validate a definition mapping (a spec file's table, a form's Params, a CLI's options).
+
+    :raises CampaignDefinitionError: (a ValueError) naming the campaign and every refused field:
+        an unknown key, a missing or mistyped one, an invalid address, timezone, window, holiday
+        code or share, a reserved name, no or several recipient sources.
+    """
+    name = label or (str(data.get("name")) if isinstance(data, dict) and data.get("name") else "?")
+    if not isinstance(data, dict):
+        raise CampaignDefinitionError(name, [("(definition)", f"expected a table of keys, got {type(data).__name__}")])
+    try:
+        return CampaignDefinition.model_validate(data)
+    except ValidationError as exc:
+        errors = []
+        for e in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in e["loc"]) or "(definition)"
+            if loc == "from_address":
+                loc = "from"
+            msg = "unknown key (a typo?)" if e["type"] == "extra_forbidden" else str(e["msg"])
+            errors.append((loc, msg.removeprefix("Value error, ")))
+        raise CampaignDefinitionError(name, errors) from None
