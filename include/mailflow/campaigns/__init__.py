@@ -22,7 +22,7 @@ from mailflow.campaigns.templating import check_campaign_templates
 from mailflow.model.outcome import DataInterval, as_timedelta
 from mailflow.model.policy import Cap, ContactPolicy, policy_from_mapping
 
-__all__ = ["CAMPAIGNS_DIR", "EXAMPLES_DIR", "Campaign", "CampaignFileError", "CampaignFolder", "check_templates", "declared_names",
+__all__ = ["CAMPAIGNS_DIR", "EXAMPLES_DIR", "RESERVED_NAMES", "Campaign", "CampaignFileError", "CampaignFolder", "check_templates", "declared_names",
            "load_campaigns", "load_policy", "scheduled_content_hash"]
 
 CAMPAIGNS_DIR = EXAMPLES_DIR
@@ -36,6 +36,9 @@ _CAMPAIGN_KEYS: dict[str, type | tuple[type, ...]] = {
 #: ``[defaults]`` holds any campaign key but name and priority, plus the policy's fallback cooldown
 _DEFAULT_KEYS = {k: v for k, v in _CAMPAIGN_KEYS.items() if k not in ("name", "priority")} | {"cooldown": str}
 _TOP_KEYS = ("policy", "defaults", "campaign")
+#: names no campaign may take (``all`` means every campaign in the CLI, the DAG forms and reports);
+#: the scheduled definition model reserves the same (mailflow.sources.scheduled.definition)
+RESERVED_NAMES = frozenset({"all"})
 _POLICY_KEYS = ("cooldown", "caps")
 
 
@@ -180,7 +183,8 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None, *,
         one of ``folder``, default :meth:`CampaignFolder.resolve`.
     :param only: keep just these campaign names (a DAG Param); unknown names raise.
     :raises CampaignFileError: (a ValueError) naming the file and the field for invalid TOML, an
-        unknown key, a value of the wrong type, a missing field, a duplicate name or priority, a
+        unknown key, a value of the wrong type, a missing field, a reserved name (``all``), a
+        duplicate name or priority, a
         bad duration, a missing audience or template file, or a subject or template that is not
         valid Jinja or tries to leave the sandbox (:mod:`mailflow.campaigns.templating`).
     :raises ValueError: for a name in ``only`` that is not declared.
@@ -201,6 +205,9 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None, *,
                                     f"in [policy] (a transactional campaign sets policy = \"exempt\")")
         _unknown(path, raw, _CAMPAIGN_KEYS, where)
         _typed(path, raw, _CAMPAIGN_KEYS, where)
+        if raw.get("name") in RESERVED_NAMES:
+            raise CampaignFileError(path, "name", f"{where}: the name {raw['name']!r} is reserved (it means every "
+                                    f"campaign); choose another")
         missing = [k for k in (*_REQUIRED, "from") if k not in merged]
         if missing:
             raise CampaignFileError(path, missing[0], f"{where} lacks {', '.join(missing)}")

@@ -59,10 +59,37 @@ class ScheduledStore:
         return None if row is None else int(row[0])
 
     def insert_campaign(self, values: Mapping[str, Any]) -> int:
-        """Insert a draft campaign from the ``campaign_insert`` parameters; return its id."""
-        row = self._run("campaign_insert", values).fetchone()
+        """Insert a draft campaign from the ``campaign_insert`` parameters (name, timezone,
+        emails_per_day, weekdays, windows, holidays (a holidays-library code or None), start_at
+        (None: now), template, subject, from_address, reply_to, recipients_sql, recipients_table,
+        marketing, on_policy, canary_share, canary_min_outcome_share, canary_max_wait); return its id."""
+        row = self._run("campaign_insert", {"holidays": None, **values}).fetchone()
         assert row is not None
         return int(row[0])
+
+    def update_definition(self, campaign_id: int, values: Mapping[str, Any]) -> bool:
+        """Replace a draft campaign's definition (the ``insert_campaign`` values but the name);
+        False if the campaign is not (or no longer) a draft."""
+        return self._run("campaign_update_definition", {"holidays": None, **values, "id": campaign_id}).fetchone() \
+            is not None
+
+    def clear_recipients(self, campaign_id: int) -> None:
+        """Delete the campaign's uploaded recipient list (``mail.campaign_recipient``)."""
+        self._run("campaign_recipients_clear", {"id": campaign_id})
+
+    def lifecycle_name_used(self, name: str) -> bool:
+        """True if the send log has lifecycle rows under campaign ``name``."""
+        row = self._run("lifecycle_name_used", {"name": name}).fetchone()
+        return bool(row and row[0])
+
+    def recipient_columns(self, source: pgsql.Composable, campaign: str, campaign_id: int) -> list[str]:
+        """The column names of recipient ``source`` (run with ``limit 0``: no row is read).
+
+        :raises psycopg.Error: if the query fails; the caller runs it in a savepoint.
+        """
+        stmt = pgsql.SQL(query("scheduled", "recipients_probe")).format(source=source)
+        cur = self.conn.execute(stmt, {"campaign": campaign, "campaign_id": campaign_id})
+        return [d.name for d in cur.description or ()]
 
     def set_status(self, campaign_id: int, from_status: str, to_status: str) -> None:
         """Move the campaign from ``from_status`` to ``to_status`` (the caller checked the transition)."""
@@ -191,3 +218,20 @@ class ScheduledStore:
         row = self.conn.execute("select now()").fetchone()
         assert row is not None
         return row[0]
+
+
+def check_name_collisions(conn: psycopg.Connection, names: Sequence[str]) -> None:
+    """Refuse lifecycle campaign ``names`` that a scheduled campaign (``mail.campaign``) already has:
+    a campaign name is unique across both kinds (it is the send log's ``campaign``, the cooldown's
+    and the reports' key), so a lifecycle run must not mint rows under a scheduled campaign's name.
+    Runs one statement in the caller's transaction (or autocommit).
+
+    :raises ValueError: naming every colliding campaign and what to do.
+    """
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(query("scheduled", "campaigns_by_name"), {"names": list(names)})
+        taken = sorted(str(r["name"]) for r in cur.fetchall())
+    if taken:
+        raise ValueError(f"lifecycle campaign(s) {', '.join(taken)} in lifecycle.toml have the name of a scheduled "
+                         f"campaign in mail.campaign; campaign names are unique across lifecycle and scheduled "
+                         f"campaigns: rename the lifecycle campaign")

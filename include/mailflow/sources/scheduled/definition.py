@@ -8,19 +8,20 @@ Strict: an unknown key is an error (``emails_per_dya``), types are not coerced f
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Mapping
+from datetime import datetime, time
 from email.utils import parseaddr
 from typing import Annotated, Any, Literal
 
 import email_validator
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from mailflow.sources.scheduled.planning import PlanSpec, Window, load_zone
+from mailflow.campaigns import RESERVED_NAMES
+from mailflow.sources.scheduled.planning import PlanSpec, Window, holiday_calendar, load_zone
 
-__all__ = ["RESERVED_NAMES", "CampaignDefinition", "CampaignDefinitionError", "parse_definition", "check_address"]
+__all__ = ["RESERVED_NAMES", "CampaignDefinition", "CampaignDefinitionError", "check_address", "check_stored",
+           "parse_definition", "parse_window"]
 
-#: names no campaign may take: ``all`` means "every campaign" in the CLI, the DAG forms and reports
-RESERVED_NAMES = frozenset({"all"})
 NAME_PATTERN = r"^[a-z0-9_]{1,64}$"
 RECIPIENT_SOURCES = ("recipients_sql", "recipients_table", "recipients_csv")
 
@@ -29,11 +30,17 @@ class CampaignDefinitionError(ValueError):
     """A campaign definition was refused. ``errors`` holds ``(field, reason)`` pairs; the message
     names the campaign and every field."""
 
-    def __init__(self, label: str, errors: list[tuple[str, str]]) -> None:
+    def __init__(self, label: str, errors: list[tuple[str, str]], source: str | None = None) -> None:
         self.label = label
         self.errors = errors
+        self.source = source
         lines = "; ".join(f"{f}: {r}" for f, r in errors)
-        super().__init__(f"campaign {label!r} refused: {lines}")
+        super().__init__(f"{source + ': ' if source else ''}campaign {label!r} refused: {lines}")
+
+    @property
+    def fields(self) -> list[str]:
+        """The refused fields, in the order reported (``from``, ``windows.1``, ``recipients_sql``)."""
+        return [f for f, _ in self.errors]
 
 
 def check_address(value: str, field: str) -> str:
@@ -63,14 +70,10 @@ def parse_window(text: str) -> Window:
     :raises ValueError: naming the window and the reason.
     """
     raw = text.strip()
-    explicit = raw.endswith("+1")
-    window = Window.parse(raw[:-2] if explicit else raw)
-    ends_midnight = window.end.hour == 0 and window.end.minute == 0 and window.end.second == 0
-    if window.crosses_midnight and not ends_midnight and not explicit:
+    window = Window.parse(raw)  # checks a +1 that does not end the next day
+    if window.crosses_midnight and window.end != time(0) and not raw.endswith("+1"):
         raise ValueError(f"window {raw!r} ends before it starts: if it runs overnight into the next day, "
                          f"write {raw + '+1'!r}")
-    if explicit and not window.crosses_midnight:
-        raise ValueError(f"window {raw!r} says +1 (ends the next day) but ends after it starts on the same day")
     return window
 
 
@@ -161,17 +164,15 @@ class CampaignDefinition(BaseModel):
     def _windows(cls, v: list[str]) -> list[str]:
         for w in v:
             parse_window(w)
-        return [w.strip() for w in v]
+        return [str(parse_window(w)) for w in v]  # one spelling: 23:00-01:00+1, 22:00-24:00
 
     @field_validator("holidays")
     @classmethod
     def _holidays(cls, v: str | None) -> str | None:
         if not v:
             return None
-        from mailflow.sources.scheduled.planning import holiday_calendar
-
         holiday_calendar(v)  # raises ValueError naming the code
-        return v
+        return v.upper()
 
     @field_validator("start_at")
     @classmethod
@@ -210,16 +211,18 @@ class CampaignDefinition(BaseModel):
         return {k: v for k, v in self.model_dump(by_alias=True).items() if v is not None}
 
 
-def parse_definition(data: Any, label: str | None = None) -> CampaignDefinition:
+def parse_definition(data: Any, label: str | None = None, *, source: str | None = None) -> CampaignDefinition:
     """Validate a definition mapping (a spec file's table, a form's Params, a CLI's options).
 
+    :param source: where the definition came from (a spec file's path), put before the message.
     :raises CampaignDefinitionError: (a ValueError) naming the campaign and every refused field:
         an unknown key, a missing or mistyped one, an invalid address, timezone, window, holiday
         code or share, a reserved name, no or several recipient sources.
     """
     name = label or (str(data.get("name")) if isinstance(data, dict) and data.get("name") else "?")
     if not isinstance(data, dict):
-        raise CampaignDefinitionError(name, [("(definition)", f"expected a table of keys, got {type(data).__name__}")])
+        raise CampaignDefinitionError(name, [("(definition)", f"expected a table of keys, got {type(data).__name__}")],
+                                      source)
     try:
         return CampaignDefinition.model_validate(data)
     except ValidationError as exc:
@@ -230,4 +233,46 @@ def parse_definition(data: Any, label: str | None = None) -> CampaignDefinition:
                 loc = "from"
             msg = "unknown key (a typo?)" if e["type"] == "extra_forbidden" else str(e["msg"])
             errors.append((loc, msg.removeprefix("Value error, ")))
-        raise CampaignDefinitionError(name, errors) from None
+        raise CampaignDefinitionError(name, errors, source) from None
+
+
+def check_stored(row: Mapping[str, Any]) -> None:
+    """Re-check a stored campaign (a ``mail.campaign`` row as a dict) by the definition's rules
+    before anything is written for it: a row created before a rule existed (or edited by hand) is
+    refused here, not sent. Checks ``name`` (reserved), ``from_address`` (reported as ``from``),
+    ``reply_to``, ``timezone``, ``weekdays``, ``windows`` (each, with ``+1`` for one into the next
+    day, and together) and ``holidays``.
+
+    :raises CampaignDefinitionError: naming the campaign (source ``mail.campaign``) and every
+        refused field.
+    """
+    errors: list[tuple[str, str]] = []
+
+    def check(field: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except ValueError as exc:
+            errors.append((field, str(exc)))
+
+    name = str(row.get("name"))
+    if name in RESERVED_NAMES:
+        errors.append(("name", f"{name!r} is reserved (it means every campaign)"))
+    check("from", check_address, str(row.get("from_address") or ""), "from")
+    if row.get("reply_to"):
+        check("reply_to", check_address, str(row["reply_to"]), "reply_to")
+    check("timezone", load_zone, str(row.get("timezone")))
+    weekdays = list(row.get("weekdays") or [])
+    if not weekdays or any(d not in range(1, 8) for d in weekdays):
+        errors.append(("weekdays", f"ISO weekday numbers are 1..7 (1 = Monday), got {weekdays}"))
+    windows = [str(w) for w in row.get("windows") or []]
+    n = len(errors)
+    for w in windows:
+        check("windows", parse_window, w)
+    if not windows:
+        errors.append(("windows", "no window"))
+    elif len(errors) == n:
+        check("windows", PlanSpec, "UTC", 1, frozenset({1}), tuple(windows))
+    if row.get("holidays"):
+        check("holidays", holiday_calendar, str(row["holidays"]))
+    if errors:
+        raise CampaignDefinitionError(name, errors, "mail.campaign")

@@ -46,7 +46,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import holidays
 
-__all__ = ["PlanSpec", "PlanSummary", "Window", "holiday_calendar", "load_zone", "plan_day", "plan_send_times", "summarize", "plan_spec", "plan_after"]
+__all__ = ["PlanSpec", "PlanSummary", "Window", "describe_schedule", "holiday_calendar", "holidays_skipped", "load_zone",
+           "plan_after", "plan_day", "plan_send_times", "plan_spec", "summarize"]
 
 _HOUR = timedelta(hours=1)
 _SECOND = timedelta(seconds=1)
@@ -55,7 +56,7 @@ _MAX_OFFSET = timedelta(hours=16)  # every UTC offset in tzdata, LMT included, i
 _MAX_EMPTY_DAYS = 800  # safety valve: no real zone has this many allowed days without window time
 _DAY = timedelta(days=1)
 _TIME = r"(\d{1,2}):(\d{2})(?::(\d{2}))?"
-_WINDOW_RE = re.compile(rf"^\s*{_TIME}\s*-\s*{_TIME}\s*$")
+_WINDOW_RE = re.compile(rf"^\s*{_TIME}\s*-\s*{_TIME}\s*(\+1)?\s*$")
 
 
 @functools.cache
@@ -100,8 +101,11 @@ class Window:
 
     ``end`` is exclusive. ``end <= start`` means the window crosses midnight and ends on the next
     local date: ``Window(time(22), time(0))`` is ``22:00-24:00``, ``Window(time(23), time(1))`` is
-    ``23:00-01:00`` and ``Window(time(0), time(0))`` is the whole day (``00:00-24:00``). Any other
+    ``23:00-01:00+1`` and ``Window(time(0), time(0))`` is the whole day (``00:00-24:00``). Any other
     ``start == end`` is refused as ambiguous. Raises ``ValueError`` naming the window.
+
+    Text form (``str``, :meth:`parse`): ``HH:MM-HH:MM``, with ``+1`` after a window that ends on the
+    next date at a time other than midnight (``23:00-01:00+1``); ``24:00`` ends at midnight.
     """
 
     start: time
@@ -117,7 +121,8 @@ class Window:
                              "(for a whole day write 00:00-24:00)")
 
     def __str__(self) -> str:
-        return f"{_fmt(self.start)}-{_fmt(self.end, end=True)}"
+        overnight = self.crosses_midnight and self.end != time(0)
+        return f"{_fmt(self.start)}-{_fmt(self.end, end=True)}{'+1' if overnight else ''}"
 
     @property
     def crosses_midnight(self) -> bool:
@@ -138,11 +143,14 @@ class Window:
     @classmethod
     def parse(cls, text: str) -> Window:
         """Parse ``"HH:MM-HH:MM"`` (seconds optional, e.g. ``"09:00-12:00"``, ``"22:00-24:00"``,
-        ``"23:00-01:00"``); raise ``ValueError``."""
+        ``"23:00-01:00+1"``); raise ``ValueError``. A ``+1`` must end on the next date; its absence is
+        not checked here (``23:00-01:00`` still crosses midnight): a definition requires it
+        (:func:`mailflow.sources.scheduled.definition.parse_window`)."""
         m = _WINDOW_RE.match(text)
         if not m:
-            raise ValueError(f"invalid window {text!r}: expected 'HH:MM-HH:MM'")
-        h1, m1, s1, h2, m2, s2 = (int(g or 0) for g in m.groups())
+            raise ValueError(f"invalid window {text!r}: expected 'HH:MM-HH:MM' (or 'HH:MM-HH:MM+1')")
+        *groups, plus = m.groups()
+        h1, m1, s1, h2, m2, s2 = (int(g or 0) for g in groups)
         if (h2, m2, s2) == (24, 0, 0):
             h2 = 0
         elif (h1, m1, s1) == (h2, m2, s2):
@@ -151,7 +159,10 @@ class Window:
             start, end = time(h1, m1, s1), time(h2, m2, s2)
         except ValueError:
             raise ValueError(f"invalid window {text!r}: not a valid time of day") from None
-        return cls(start, end)
+        window = cls(start, end)
+        if plus and not window.crosses_midnight:
+            raise ValueError(f"invalid window {text!r}: +1 says it ends the next day, but it ends after it starts")
+        return window
 
 
 _DEFAULT_WINDOWS = (Window(time(9), time(12)), Window(time(14), time(17)))
@@ -419,3 +430,38 @@ def plan_after(spec: PlanSpec, plan_start: datetime, plan_skip: int, planned_thr
     # the local day of planned_through holds at most emails_per_day instants up to and including it
     times = plan_send_times(spec, count + spec.emails_per_day + plan_skip, start)
     return islice(dropwhile(lambda t: t <= planned_through, times), count)
+
+
+_DAY_NAMES = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+
+
+def describe_schedule(spec: PlanSpec) -> str:
+    """The local send hours of ``spec`` for a person: windows (a window into the next day with
+    ``+1``), the zone, the weekdays as ranges and the holiday calendar skipped, e.g.
+    ``"09:00-12:00, 14:00-17:00 Europe/Berlin, Mon-Fri, DE-BY holidays skipped"``."""
+    days = sorted(spec.weekdays)
+    runs: list[list[int]] = []
+    for d in days:
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    named = ", ".join(_DAY_NAMES[r[0] - 1] if len(r) == 1 else f"{_DAY_NAMES[r[0] - 1]}-{_DAY_NAMES[r[-1] - 1]}"
+                      for r in runs)
+    text = f"{', '.join(str(w) for w in spec.windows)} {spec.timezone}, {named}"
+    return f"{text}, {spec.holidays} holidays skipped" if spec.holidays else text
+
+
+def holidays_skipped(spec: PlanSpec, first_day: date, last_day: date) -> int:
+    """How many plan days in ``[first_day, last_day]`` (local dates, inclusive) sent nothing because
+    they are public holidays of ``spec.holidays``: holidays on an allowed weekday (a holiday on a
+    day that never sends is not counted). 0 without a holiday calendar or for an empty span."""
+    if spec.holidays is None or last_day < first_day:
+        return 0
+    calendar = holiday_calendar(spec.holidays)
+    n, day = 0, first_day
+    while day <= last_day:
+        if day.isoweekday() in spec.weekdays and day in calendar:
+            n += 1
+        day += _DAY
+    return n

@@ -24,7 +24,16 @@ from mailflow.sources.scheduled.campaign_db import (
     record_event,
     used_on_day,
 )
-from mailflow.sources.scheduled.planning import plan_after, plan_spec, summarize
+from mailflow.sources.scheduled.definition import check_stored
+from mailflow.sources.scheduled.planning import (
+    PlanSpec,
+    describe_schedule,
+    holidays_skipped,
+    plan_after,
+    plan_day,
+    plan_spec,
+    summarize,
+)
 from mailflow.sources.scheduled.spec import TABLE_NAME, check_templates, recipients_file
 from mailflow.store.policy import mailbox_key
 from mailflow.store.scheduled import ScheduledStore
@@ -44,6 +53,14 @@ class ProvisionSummary:
     campaign's setting, ``per_day_max`` the largest count on one local day of those rows,
     ``days_spanned`` calendar days from the first to the last local date (inclusive) and
     ``sending_days`` the local dates that have sends. ``complete`` = the recipient list is exhausted.
+
+    Local send hours, for a person checking the plan: ``local_windows`` the windows, zone, weekdays
+    and holiday calendar (``"09:00-12:00, 14:00-17:00 Europe/Berlin, Mon-Fri, DE-BY holidays
+    skipped"``; a window into the next day ends in ``+1``), ``first_send_local``/``last_send_local``
+    the first and last send as ISO-8601 text in the campaign's zone (with its offset), and
+    ``holidays_skipped`` the holidays on an allowed weekday from the plan day this call planned
+    from (the plan's start, or its last planned send) through the last send's plan day: days that
+    sent nothing because of the holiday calendar.
     """
 
     campaign_id: int
@@ -65,6 +82,10 @@ class ProvisionSummary:
     per_day_max: int = 0
     days_spanned: int = 0
     sending_days: int = 0
+    local_windows: str = ""
+    first_send_local: str | None = None
+    last_send_local: str | None = None
+    holidays_skipped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO-8601 UTC text)."""
@@ -72,6 +93,16 @@ class ProvisionSummary:
         for k in ("first_send", "last_send"):
             out[k] = out[k].isoformat() if out[k] else None
         return out
+
+    def set_local(self, spec: PlanSpec, planned_from: datetime | None) -> None:
+        """Fill the local fields from ``first_send``/``last_send`` and ``spec``; ``planned_from``:
+        the instant this call's plan continued from (its holidays count from that plan day)."""
+        self.local_windows = describe_schedule(spec)
+        zone = spec.zone
+        self.first_send_local = self.first_send.astimezone(zone).isoformat() if self.first_send else None
+        self.last_send_local = self.last_send.astimezone(zone).isoformat() if self.last_send else None
+        if planned_from is not None and self.last_send is not None:
+            self.holidays_skipped = holidays_skipped(spec, plan_day(spec, planned_from), plan_day(spec, self.last_send))
 
 
 def _recipient_source(conn: psycopg.Connection, c: Mapping[str, Any], folder: CampaignFolder) -> pgsql.Composable:
@@ -128,6 +159,9 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     :raises ValueError: for a naive ``now``, a bad chunk size, a missing template or recipients
         file, a subject that needs a column the recipients lack (naming campaign and user), or a
         subject or template that tries to leave the sandbox (refused before anything renders).
+    :raises CampaignDefinitionError: (a ValueError) before anything is written, if the stored row
+        breaks a definition rule (an invalid ``from`` or ``reply_to``, timezone, window or holiday
+        code: :func:`~mailflow.sources.scheduled.definition.check_stored`), naming the field.
     :raises LookupError: if the campaign does not exist.
     """
     if now.tzinfo is None:
@@ -142,9 +176,13 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     actor = actor_name(run, None)
     per_day: dict[date, int] = {}
     subject_t: jinja2.Template | None = None
+    planned_from: datetime | None = None
+    spec: PlanSpec | None = None
     while True:
         with conn.transaction():
             c = lock_campaign(conn, campaign_id)
+            if subject_t is None and c["status"] not in ("cancelled", "completed"):
+                check_stored(c)  # a row created before a rule, or edited by hand: refused, nothing written
             spec = plan_spec(c)
             summary.campaign, summary.timezone, summary.emails_per_day = c["name"], spec.timezone, spec.emails_per_day
             if c["status"] in ("cancelled", "completed"):
@@ -190,6 +228,9 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 ScheduledStore(conn).set_plan(campaign_id, plan_start, plan_skip, None)
                 times = list(plan_after(spec, plan_start, plan_skip, None, len(usable)))
                 summary.reanchored = True
+                planned_from = now
+            if planned_from is None:
+                planned_from = planned_through or plan_start
             rows = []
             for (uid, email, ctx), at in zip(usable, times, strict=True):
                 user = {"user_id": uid, "email": email, **ctx}
@@ -226,6 +267,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
         summary.per_day_max = max(per_day.values())
         summary.sending_days = len(per_day)
         summary.days_spanned = (max(per_day) - min(per_day)).days + 1
+    if spec is not None:
+        summary.set_local(spec, planned_from)
     return summary
 
 
@@ -235,15 +278,18 @@ def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary:
         c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
+        check_stored(c)
         spec = plan_spec(c)
         check_templates(c["template"], c["name"], folder)
         after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
         remaining = ScheduledStore(conn).recipients_count(_recipient_source(conn, c, folder), after, c["name"], campaign_id)
     plan_start = c["plan_start"] or max(c["start_at"], now)
+    planned_from = c["planned_through"] or plan_start
     times = list(plan_after(spec, plan_start, int(c["plan_skip"]), c["planned_through"], remaining))
     if times and times[0] < now:
         times = list(plan_after(spec, now, 0, None, remaining))
         summary.reanchored = True
+        planned_from = now
     ps = summarize(times, spec.timezone, day_start=spec.day_start)
     summary.campaign, summary.timezone, summary.emails_per_day = c["name"], spec.timezone, spec.emails_per_day
     summary.recipients = remaining
@@ -253,6 +299,7 @@ def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary:
     summary.sending_days = len(ps.emails_per_day)
     summary.days_spanned = ps.days_spanned
     summary.complete = c["provisioned_at"] is not None and remaining == 0
+    summary.set_local(spec, planned_from)
     log.info("dry run %s: %d recipients to provision, first %s, last %s, %d/day over %d days",
              c["name"], remaining, ps.first, ps.last, spec.emails_per_day, ps.days_spanned)
     return summary

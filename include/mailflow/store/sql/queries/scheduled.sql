@@ -1,12 +1,45 @@
 -- name: campaign_insert
 -- Create a campaign (status draft); every value is bound. Returns its id.
-insert into mail.campaign (name, timezone, emails_per_day, weekdays, windows, start_at, template, subject,
+insert into mail.campaign (name, timezone, emails_per_day, weekdays, windows, holidays, start_at, template, subject,
                            from_address, reply_to, recipients_sql, recipients_table, marketing, on_policy,
                            canary_share, canary_min_outcome_share, canary_max_wait)
-values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, coalesce(%(start_at)s, now()),
-        %(template)s, %(subject)s, %(from_address)s, %(reply_to)s, %(recipients_sql)s, %(recipients_table)s,
-        %(marketing)s, %(on_policy)s, %(canary_share)s, %(canary_min_outcome_share)s, %(canary_max_wait)s)
+values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, %(holidays)s,
+        coalesce(%(start_at)s, now()), %(template)s, %(subject)s, %(from_address)s, %(reply_to)s,
+        %(recipients_sql)s, %(recipients_table)s, %(marketing)s, %(on_policy)s, %(canary_share)s,
+        %(canary_min_outcome_share)s, %(canary_max_wait)s)
 returning id
+
+-- name: campaign_update_definition
+-- Replace the definition of a draft campaign (the same values as campaign_insert; the name stays).
+-- Only a draft: the status is part of the condition, so a campaign provisioned meanwhile is not
+-- changed (no row comes back).
+update mail.campaign
+set timezone = %(timezone)s, emails_per_day = %(emails_per_day)s, weekdays = %(weekdays)s, windows = %(windows)s,
+    holidays = %(holidays)s, start_at = coalesce(%(start_at)s, now()), template = %(template)s,
+    subject = %(subject)s, from_address = %(from_address)s, reply_to = %(reply_to)s,
+    recipients_sql = %(recipients_sql)s, recipients_table = %(recipients_table)s, marketing = %(marketing)s,
+    on_policy = %(on_policy)s, canary_share = %(canary_share)s,
+    canary_min_outcome_share = %(canary_min_outcome_share)s, canary_max_wait = %(canary_max_wait)s,
+    updated_at = now()
+where id = %(id)s and status = 'draft'
+returning id
+
+-- name: campaign_recipients_clear
+-- Drop a campaign's uploaded recipient list (a draft's definition is replaced with another list).
+delete from mail.campaign_recipient where campaign_id = %(id)s
+
+-- name: lifecycle_name_used
+-- Whether the send log has lifecycle rows under this campaign name (send_log_campaign_minted_idx).
+select exists (select 1 from mail.send_log where campaign = %(name)s and kind = 'lifecycle')
+
+-- name: recipients_probe
+-- A recipient source's columns without reading a row: plans and runs the query with limit 0, so a
+-- query that fails (syntax, a missing table or column) fails here.
+select *
+from (
+{source}
+) as r
+limit 0
 
 -- name: campaign_lock
 -- One campaign row, locked for the rest of the transaction: provisioning chunks, status changes
