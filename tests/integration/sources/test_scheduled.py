@@ -493,13 +493,13 @@ def test_a_missing_template_fails_the_run_and_leaves_rows_pending(rig: Rig) -> N
 
 
 def test_windows_to_midnight_and_across_it_are_accepted_and_provisioned_in_chunks(rig: Rig) -> None:
-    # The spec loader takes 22:00-24:00 and 23:00-01:00 (issue 17); chunked provisioning across midnight
+    # The spec loader takes 22:00-24:00 and 23:00-01:00+1; chunked provisioning across midnight
     # equals one uninterrupted plan, and each crossing window counts towards the day it opened on.
     rig.users(9)
     start = datetime(2026, 10, 23, 12, tzinfo=BERLIN)  # Friday; Berlin falls back on Sunday 10-25 03:00
     cid = rig.campaign(emails_per_day=3, start_at=start, weekdays=[1, 2, 3, 4, 5, 6, 7],
-                       windows=["20:00-21:00", "23:00-03:30"])
-    assert rig.campaign_row(cid)["windows"] == ["20:00-21:00", "23:00-03:30"]
+                       windows=["20:00-21:00", "23:00-03:30+1"])
+    assert rig.campaign_row(cid)["windows"] == ["20:00-21:00", "23:00-03:30+1"]
     rig.provision(cid, chunk=2, now=start - timedelta(days=1))
     spec = spec_of(emails_per_day=3, weekdays=range(1, 8), windows=("20:00-21:00", "23:00-03:30"))
     assert rig.times() == list(plan_send_times(spec, 9, start))
@@ -512,4 +512,4 @@ def test_windows_to_midnight_and_across_it_are_accepted_and_provisioned_in_chunk
     with pytest.raises(ValueError, match="overlap"):
         scheduled.create_campaign(rig.db, {"name": "bad", "template": "outreach", "subject": "x",
                                            "from": "a@mail.example.com", "recipients_sql": "free_plan_users",
-                                           "windows": ["23:00-01:00", "00:30-09:00"]})
+                                           "windows": ["23:00-01:00+1", "00:30-09:00"]})

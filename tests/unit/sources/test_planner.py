@@ -378,9 +378,9 @@ def test_validation_errors():
         Window.parse("24:00-01:00")
     with pytest.raises(ValueError, match=r"invalid window '22:00-24:30': not a valid time of day"):
         Window.parse("22:00-24:30")
-    with pytest.raises(ValueError, match=r"windows 23:00-01:00 and 00:30-09:00 overlap \(the first runs past midnight"):
+    with pytest.raises(ValueError, match=r"windows 23:00-01:00\+1 and 00:30-09:00 overlap \(the first runs past midnight"):
         PlanSpec(windows=("23:00-01:00", "00:30-09:00"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"windows 20:00-02:00 and 22:00-23:00 overlap"):
+    with pytest.raises(ValueError, match=r"windows 20:00-02:00\+1 and 22:00-23:00 overlap"):
         PlanSpec(windows=("22:00-23:00", "20:00-02:00"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"invalid window '9-12': expected 'HH:MM-HH:MM'"):
         Window.parse("9-12")
@@ -525,7 +525,11 @@ def test_prefix_stable(spec_start: tuple[PlanSpec, datetime], a: int, b: int):
 def test_window_to_24_00_and_across_midnight_parse_and_print():
     assert Window.parse("22:00-24:00") == Window(time(22), time(0))
     assert str(Window.parse("22:00-24:00")) == "22:00-24:00"
-    assert str(Window.parse("23:00-01:00")) == "23:00-01:00"
+    # a window into the next day prints with +1 (the definition's spelling) and parses back
+    assert str(Window.parse("23:00-01:00")) == "23:00-01:00+1"
+    assert Window.parse("23:00-01:00+1") == Window(time(23), time(1))
+    with pytest.raises(ValueError, match=r"invalid window '09:00-17:00\+1': \+1 says it ends the next day"):
+        Window.parse("09:00-17:00+1")
     assert str(Window.parse("00:00-24:00")) == "00:00-24:00"
     assert Window.parse("23:00-01:00").length == timedelta(hours=2)
     assert Window.parse("00:00-24:00").length == timedelta(hours=24)

@@ -26,6 +26,15 @@ NAME_PATTERN = r"^[a-z0-9_]{1,64}$"
 RECIPIENT_SOURCES = ("recipients_sql", "recipients_table", "recipients_csv")
 
 
+class _FieldsError(ValueError):
+    """A rule over several fields, raised in the model's whole-definition check: names the fields
+    (pydantic would report the definition as a whole)."""
+
+    def __init__(self, fields: tuple[str, ...], message: str) -> None:
+        self.fields = fields
+        super().__init__(message)
+
+
 class CampaignDefinitionError(ValueError):
     """A campaign definition was refused. ``errors`` holds ``(field, reason)`` pairs; the message
     names the campaign and every field."""
@@ -185,11 +194,16 @@ class CampaignDefinition(BaseModel):
     def _whole(self) -> CampaignDefinition:
         sources = [k for k in RECIPIENT_SOURCES if getattr(self, k)]
         if len(sources) != 1:
-            raise ValueError(f"give exactly one of {', '.join(RECIPIENT_SOURCES)} (got {', '.join(sources) or 'none'})")
+            raise _FieldsError(tuple(sources) or RECIPIENT_SOURCES[:1], f"give exactly one of "
+                               f"{', '.join(RECIPIENT_SOURCES)} (got {', '.join(sources) or 'none'})")
         if self.canary_share is None and (self.canary_min_outcome_share is not None
                                           or self.canary_max_wait_minutes is not None):
-            raise ValueError("canary_min_outcome_share and canary_max_wait_minutes need a canary_share")
-        self.plan_spec()  # the windows together: overlaps, a night window running into the next morning's
+            given = tuple(k for k in ("canary_min_outcome_share", "canary_max_wait_minutes") if getattr(self, k) is not None)
+            raise _FieldsError(given, "needs a canary_share")
+        try:  # the windows together: overlaps, a night window running into the next morning's
+            self.plan_spec()
+        except ValueError as exc:
+            raise _FieldsError(("windows",), str(exc)) from None
         return self
 
     def plan_spec(self) -> PlanSpec:
@@ -219,20 +233,23 @@ def parse_definition(data: Any, label: str | None = None, *, source: str | None 
         an unknown key, a missing or mistyped one, an invalid address, timezone, window, holiday
         code or share, a reserved name, no or several recipient sources.
     """
-    name = label or (str(data.get("name")) if isinstance(data, dict) and data.get("name") else "?")
-    if not isinstance(data, dict):
+    name = label or (str(data.get("name")) if isinstance(data, Mapping) and data.get("name") else "?")
+    if not isinstance(data, Mapping):
         raise CampaignDefinitionError(name, [("(definition)", f"expected a table of keys, got {type(data).__name__}")],
                                       source)
     try:
-        return CampaignDefinition.model_validate(data)
+        return CampaignDefinition.model_validate(dict(data))
     except ValidationError as exc:
         errors = []
         for e in exc.errors(include_url=False):
-            loc = ".".join(str(p) for p in e["loc"]) or "(definition)"
-            if loc == "from_address":
-                loc = "from"
+            cause = e.get("ctx", {}).get("error")
             msg = "unknown key (a typo?)" if e["type"] == "extra_forbidden" else str(e["msg"])
-            errors.append((loc, msg.removeprefix("Value error, ")))
+            msg = msg.removeprefix("Value error, ")
+            if isinstance(cause, _FieldsError):  # a rule over several fields names each
+                errors += [(f, msg) for f in cause.fields]
+                continue
+            loc = ".".join(str(p) for p in e["loc"]) or "(definition)"
+            errors.append(("from" if loc == "from_address" else loc, msg))
         raise CampaignDefinitionError(name, errors, source) from None
 
 
