@@ -9,7 +9,7 @@ import json
 import re
 import tomllib
 from collections.abc import Mapping
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -217,9 +217,12 @@ def update_draft(conn: psycopg.Connection, name: str, spec: Mapping[str, Any] | 
 
 
 def _plain(v: Any) -> Any:
-    """A stored or new value as JSON (for the event's ``changed``): numbers as floats, times as ISO text."""
+    """A stored or new value as JSON (for the event's ``changed``): numbers as floats, instants as
+    ISO-8601 UTC text."""
     if isinstance(v, Decimal):
         return float(v)
+    if isinstance(v, datetime) and v.tzinfo is not None:
+        return v.astimezone(UTC).isoformat()
     if isinstance(v, datetime | date):
         return v.isoformat()
     if isinstance(v, timedelta):
