@@ -11,7 +11,7 @@ from mailflow.cli import main as mailflow_cli
 DECIDE = ["--by", "ops@example.com", "--reason", "checked with the provider"]
 
 
-def _dead(rig: Rig, n: int = 3, name: str = "upgrade_offer") -> list[int]:
+def _dead(rig: Rig, n: int = 3, name: str = "spring_offer") -> list[int]:
     """``n`` rows of campaign ``name`` made undecided dead letters (as the reconciler leaves them)."""
     provisioned(rig, n, name=name)
     ids = [r["id"] for r in rig.rows()]
@@ -58,23 +58,23 @@ def test_unknown_and_already_decided_ids_are_reported_not_silently_skipped(
 def test_ids_outside_campaign_are_reported(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     dead = _dead(rig)
     rig.db.execute("update mail.send_log set campaign = 'other_camp' where id = %s", (dead[0],))
-    assert mailflow_cli(["dead-letters", "close", "--campaign", "upgrade_offer", "--ids", f"{dead[0]},{dead[1]}",
+    assert mailflow_cli(["dead-letters", "close", "--campaign", "spring_offer", "--ids", f"{dead[0]},{dead[1]}",
                          *DECIDE, "--dsn", rig.dsn]) == 1
     out = capsys.readouterr()
     assert f"close: 1 dead letter(s) decided ({dead[1]})" in out.out
-    assert f"  {dead[0]}: belongs to campaign 'other_camp', not 'upgrade_offer'" in out.err
+    assert f"  {dead[0]}: belongs to campaign 'other_camp', not 'spring_offer'" in out.err
 
 
 @pytest.mark.parametrize("argv", [
-    ["dead-letters", "list", "--campaign", "upgrade_ofer"],
-    ["dead-letters", "close", "--all", "--campaign", "upgrade_ofer", *DECIDE],
-    ["reopen-refused", "--campaign", "upgrade_ofer"],
+    ["dead-letters", "list", "--campaign", "spring_ofer"],
+    ["dead-letters", "close", "--all", "--campaign", "spring_ofer", *DECIDE],
+    ["reopen-refused", "--campaign", "spring_ofer"],
 ])
 def test_unknown_campaign_is_named_with_close_matches(rig: Rig, capsys: pytest.CaptureFixture[str],
                                                       argv: list[str]) -> None:
     _dead(rig)
     assert mailflow_cli([*argv, "--dsn", rig.dsn]) == 2
-    assert ("error: no campaign 'upgrade_ofer' in the send log; did you mean 'upgrade_offer'?"
+    assert ("error: no campaign 'spring_ofer' in the send log; did you mean 'spring_offer'?"
             in capsys.readouterr().err)
     assert all(r["dead_letter_decision"] is None for r in rig.rows())
 

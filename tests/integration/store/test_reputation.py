@@ -28,6 +28,7 @@ from mailflow.orchestration.reputation import reputation_alerts
 from mailflow.sources import scheduled
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.sources.scheduled.control import resume_reputation
+from mailflow.sources.scheduled.definition import CampaignDefinitionError
 from mailflow.store import reputation
 from mailflow.store.reputation import GuardConfig
 from mailflow.store.send_log import PostgresStore
@@ -410,13 +411,16 @@ def test_a_canary_that_bounces_trips_the_guard_and_the_rest_is_never_sent(rig: R
 
 
 def test_canary_fields_are_validated_by_name(rig: Rig) -> None:
-    for bad, message in (({"canary_share": 1.5}, "canary_share must be a fraction between 0 and 1"),
-                         ({"canary_share": "x"}, "canary_share must be a number"),
-                         ({"canary_max_wait_minutes": 5}, "need a canary_share"),
-                         ({"canary_share": 0.05, "canary_min_outcome_share": 0}, "canary_min_outcome_share must be"),
-                         ({"canary_share": 0.05, "canary_max_wait_minutes": -1}, "canary_max_wait_minutes must be")):
-        with pytest.raises(ValueError, match=message):
+    for bad, field, message in (({"canary_share": 1.5}, "canary_share", "less than 1"),
+                                ({"canary_share": "x"}, "canary_share", "valid number"),
+                                ({"canary_max_wait_minutes": 5}, "canary_max_wait_minutes", "needs a canary_share"),
+                                ({"canary_share": 0.05, "canary_min_outcome_share": 0}, "canary_min_outcome_share",
+                                 "greater than 0"),
+                                ({"canary_share": 0.05, "canary_max_wait_minutes": -1}, "canary_max_wait_minutes",
+                                 "greater than 0")):
+        with pytest.raises(CampaignDefinitionError, match=message) as info:
             rig.campaign("bad_canary", **bad)
+        assert info.value.fields == [field]
     assert RUN.dag_id == "dispatch_scheduled_emails"
 
 
