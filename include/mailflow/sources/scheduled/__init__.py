@@ -54,11 +54,17 @@ from mailflow.sources.scheduled.dispatcher import (
 )
 from mailflow.sources.scheduled.planning import plan_after, plan_spec
 from mailflow.sources.scheduled.provisioning import ProvisionSummary, provision
-from mailflow.sources.scheduled.spec import create_campaign, load_spec, resolve_campaign, upload_recipients
+from mailflow.sources.scheduled.spec import (
+    create_campaign,
+    load_spec,
+    resolve_campaign,
+    update_draft,
+    upload_recipients,
+)
 
 __all__ = [
     "BATCH_SIZE", "COALESCE_SECONDS", "CampaignStateError", "DISPATCH_BUDGET_SECONDS",
     "DispatchSummary", "POLL_SECONDS", "ProvisionSummary", "SEND_GRACE_SECONDS", "cancel",
     "complete", "create_campaign", "dispatch", "load_spec", "main", "pause", "plan_after",
-    "plan_spec", "provision", "resolve_campaign", "resume", "status", "upload_recipients",
+    "plan_spec", "provision", "resolve_campaign", "resume", "status", "update_draft", "upload_recipients",
 ]

@@ -8,8 +8,8 @@ Rules (the single source of truth; the tests in ``tests/unit/sources/test_planne
 * **Eligible instants.** An instant is eligible on plan day ``D`` iff its local wall-clock reading
   (``instant.astimezone(zone)``) is inside one of ``D``'s windows (start inclusive, end exclusive).
   A window belongs to the local date it starts on: ``22:00-24:00`` ends at the next midnight and
-  ``23:00-01:00`` runs from 23:00 on ``D`` to 01:00 on ``D + 1`` (its weekday is ``D``'s, its emails
-  count towards ``D``'s ``emails_per_day``). Only the last window of a day can cross midnight, and
+  ``23:00-01:00+1`` runs from 23:00 on ``D`` to 01:00 on ``D + 1`` (its weekday and holiday are
+  ``D``'s, its emails count towards ``D``'s ``emails_per_day``). Only the last window of a day can cross midnight, and
   its tail may not overlap the next day's first window. A plan day therefore runs from
   ``PlanSpec.day_start`` (the end of a crossing window, else 00:00) on ``D`` to the same wall time on
   ``D + 1`` (:func:`plan_day`). Offsets are never cached: each day is split into constant-UTC-offset pieces found from
@@ -30,7 +30,8 @@ Rules (the single source of truth; the tests in ``tests/unit/sources/test_planne
   one microsecond after the previous slot afterwards (this only bites when a local date occurs
   twice, e.g. America/Juneau in October 1867). The ``N`` slots are spread over what remains; a day with less than ``N`` microseconds of
   remaining eligible time (e.g. ``start`` after the last window) is skipped, as are days whose
-  weekday is not allowed. Output is therefore strictly increasing.
+  weekday is not allowed and days that are public holidays of ``PlanSpec.holidays`` (the pins:
+  ``tests/unit/sources/test_holidays.py``). Output is therefore strictly increasing.
 """
 
 from __future__ import annotations
