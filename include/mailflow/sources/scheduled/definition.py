@@ -48,7 +48,8 @@ class CampaignDefinitionError(ValueError):
 
     @property
     def fields(self) -> list[str]:
-        """The refused fields, in the order reported (``from``, ``windows.1``, ``recipients_sql``)."""
+        """The refused fields, in the order reported (``from``, ``windows``, ``weekdays.0`` for an
+        item of the wrong type, ``recipients_sql``)."""
         return [f for f, _ in self.errors]
 
 
@@ -171,8 +172,6 @@ class CampaignDefinition(BaseModel):
     @field_validator("windows")
     @classmethod
     def _windows(cls, v: list[str]) -> list[str]:
-        for w in v:
-            parse_window(w)
         return [str(parse_window(w)) for w in v]  # one spelling: 23:00-01:00+1, 22:00-24:00
 
     @field_validator("holidays")
