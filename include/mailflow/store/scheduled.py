@@ -59,8 +59,9 @@ class ScheduledStore:
         return None if row is None else int(row[0])
 
     def insert_campaign(self, values: Mapping[str, Any]) -> int:
-        """Insert a draft campaign from the ``campaign_insert`` parameters; return its id."""
-        row = self._run("campaign_insert", values).fetchone()
+        """Insert a draft campaign from the ``campaign_insert`` parameters; return its id.
+        ``holdout_share`` may be left out (0: no holdout group)."""
+        row = self._run("campaign_insert", {"holdout_share": 0.0, **values}).fetchone()
         assert row is not None
         return int(row[0])
 
@@ -138,10 +139,11 @@ class ScheduledStore:
         """Record that every recipient has a row."""
         self._run("mark_provisioned", {"id": campaign_id, "plan_start": plan_start})
 
-    def provision_rows(self, campaign: str, page: list[dict[str, Any]], who: Mapping[str, Any]) -> int:
-        """Insert one page of planned rows (``who``: dag_id, run_id, task_id); how many were created."""
+    def provision_rows(self, campaign: str, page: list[dict[str, Any]], who: Mapping[str, Any]) -> tuple[int, int]:
+        """Insert one page of rows (``who``: dag_id, run_id, task_id): each planned (``scheduled_at``) or,
+        with ``"status": "holdout"`` and no time, held out; ``(rows created, of them holdout)``."""
         res = self._run("provision_rows", {"campaign": campaign, "page": Jsonb(page), **who}).fetchone()
-        return int(res[0]) if res else 0
+        return (int(res[0]), int(res[1])) if res else (0, 0)
 
     def advance_checkpoint(self, campaign_id: int, created: int, cursor: int | None,
                            planned_through: datetime | None, plan_start: datetime | None) -> None:

@@ -16,6 +16,7 @@ import psycopg
 
 from mailflow.campaigns import CampaignFolder
 from mailflow.campaigns.templating import check_campaign_templates
+from mailflow.model.holdout import check_share
 from mailflow.sources.scheduled.campaign_db import record_event
 from mailflow.sources.scheduled.planning import PlanSpec
 from mailflow.store.policy import ON_POLICY
@@ -136,6 +137,7 @@ def create_campaign(conn: psycopg.Connection, spec: Mapping[str, Any], *, actor:
             "reply_to": spec.get("reply_to"), "recipients_sql": recipients_sql,
             "recipients_table": recipients_table, "marketing": bool(spec.get("marketing", True)),
             "on_policy": on_policy, **canary,
+            "holdout_share": check_share(spec.get("holdout_share", 0.0), f"campaign {label!r}: holdout_share"),
         })
         record_event(conn, campaign_id, None, "draft", actor, spec={k: str(v) for k, v in spec.items()})
         if spec.get("recipients_csv"):
