@@ -237,7 +237,8 @@ def test_0018_rolling_deploy_rows_written_without_a_key_after_migrating_are_keye
             (1, "late@example.com"), (2, "οδοσ@example.gr"), (3, "bob@example.com")]
         assert conn.execute("select count(*) from mail.suppression").fetchone() == (0,)
         # idempotent: again, nothing changes
-        assert migrator.rerun_backfills(conn) == ["backfill_mailbox_keys", "require_suppression_keys"]
+        assert migrator.rerun_backfills(conn) == ["backfill_mailbox_keys", "require_suppression_keys",
+                                                 "allow_holdout_status"]
         assert conn.execute("select count(*), count(email_key) from mail.send_log").fetchone() == (3, 3)
 
 
