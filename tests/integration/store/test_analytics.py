@@ -37,6 +37,7 @@ from send_log_demo import (
 
 from mailflow.campaigns import load_campaigns
 from mailflow.emulator.testing import EmulatorProcess
+from mailflow.model.holdout import in_holdout
 from mailflow.store.migrate import migrate
 from mailflow.store.policy import normalise_address
 from mailflow_dev import devenv
@@ -439,9 +440,9 @@ def ask(demo: Demo, n: int, **params: Any) -> list[tuple[Any, ...]]:
     return run_doc_query(demo.conn, n, role=None if n == 3 else "mail_analyst", **params)[1]
 
 
-def test_the_doc_has_fourteen_questions_each_with_sql() -> None:
+def test_the_doc_has_fifteen_questions_each_with_sql() -> None:
     questions = doc_questions()
-    assert sorted(questions) == list(range(1, 15))
+    assert sorted(questions) == list(range(1, 16))
     assert all(sql.lstrip().lower().startswith(("select", "with")) for _, _, sql in questions.values())
 
 
@@ -469,6 +470,24 @@ def test_q14_tells_the_analyst_which_campaign_version_each_email_came_from(demo:
     assert FP_CAMPAIGN == "first_practice"
     assert content_hash == fp.content_hash and len(content_hash) == 16
     assert emails == demo.summaries[FP_CAMPAIGN].sent > 0 and first_sent <= last_sent
+
+
+def test_q15_the_lift_of_the_demos_holdout_group(demo: Demo) -> None:
+    """first_practice holds out 10% of its audience (lifecycle.toml): Q15, as written, compares its sent
+    and held-out users, and the demo loader's view mail.campaign_lift gives the same rows. The demo's
+    assessments all lie before the run (anchored at the current hour): nobody converts yet."""
+    s = demo.summaries[FP_CAMPAIGN]
+    assert s.holdout > 0 and s.sent > 0
+    rows = run_doc_query(demo.conn, 15)[1]  # reads app.assessments: as the owner (like Q3)
+    assert [r[:10] for r in rows] == [(FP_CAMPAIGN, "lifecycle", s.sent, 0, Decimal(0), s.holdout, 0, Decimal(0),
+                                       Decimal(0), timedelta(days=7))]
+    assert demo.conn.execute("select * from mail.campaign_lift").fetchall() == rows
+    held = {int(u) for (u,) in demo.conn.execute("select user_id from mail.send_log where status = 'holdout'")}
+    sent = {int(u) for (u,) in demo.conn.execute("select user_id from mail.send_log where status = 'sent'"
+                                                 " and campaign = %s", (FP_CAMPAIGN,))}
+    members = {u for u, _ in demo.fp_audience if in_holdout(FP_CAMPAIGN, u, 0.1)}
+    assert len(held) == s.holdout and held <= members and not sent & members
+    assert as_analyst(demo.conn, "select holdout, treated from mail.campaign_lift") == [(s.holdout, s.sent)]
 
 
 def test_the_run_itself(demo: Demo) -> None:

@@ -17,21 +17,28 @@
 -- (the send log may live in a database of its own), and a migration must run on every send-log database.
 -- Run it where both schemas are visible (psql -f, or paste it); the demo loader installs it as the view
 -- mail.campaign_lift (mailflow_dev.demo.loader), where the demo's app schema sits next to the send log.
--- Read path: the campaigns come from send_log_holdout_idx, the rows from each campaign's sent range
--- (send_log_campaign_sent_idx) and holdout range, each user's assessments from
+-- Read path (never the whole send log): the campaigns and their holdout rows from send_log_holdout_idx, the
+-- treated rows from each campaign's range of send_log_campaign_sent_idx, each user's assessments from
 -- assessments_user_id_started_at_idx (app_schema.sql).
 with params as (
     select interval '7 days' as horizon
+), campaigns as (
+    select distinct h.campaign from mail.send_log h where h.status = 'holdout'
 ), groups as (
-    select l.campaign, l.kind, l.status, l.minted_at,
+    select k.campaign, l.kind, l.status, l.minted_at,
            exists (select 1 from app.assessments a
                    where a.user_id = l.user_id
                      and a.finished_at >= l.minted_at
                      and a.finished_at < l.minted_at + p.horizon) as converted
-    from mail.send_log l
+    from campaigns k
     cross join params p
-    where l.status in ('sent', 'holdout')
-      and l.campaign in (select h.campaign from mail.send_log h where h.status = 'holdout')
+    cross join lateral (
+        select s.user_id, s.kind, s.status, s.minted_at from mail.send_log s
+        where s.campaign = k.campaign and s.status = 'sent'
+        union all
+        select h.user_id, h.kind, h.status, h.minted_at from mail.send_log h
+        where h.campaign = k.campaign and h.status = 'holdout'
+    ) as l
 ), counts as (
     select g.campaign,
            min(g.kind)                                                    as kind,
