@@ -513,7 +513,9 @@ class PostgresStore:
         the run would claim is a contact for every later one, so a later campaign does not count
         them unless it is exempt (transactional) or there is no cooldown. ``eligible`` is what the
         real run reports as its campaign's ``eligible`` (the mint's re-check under the contact guard
-        may still hold some back: a claim committed after the dry run)."""
+        may still hold some back: a claim committed after the dry run); ``holdout`` is how many of
+        them the campaign's holdout group would take (no email, no contact for a later campaign, not
+        in the sample)."""
         out: list[dict[str, Any]] = []
         taken: set[int] = set()  # users an earlier campaign of this run would claim
         for c in sorted(campaigns, key=lambda c: c.priority):
@@ -524,7 +526,8 @@ class PostgresStore:
                 ids = {int(r[0]) for r in self.conn.execute(self._audience_sql("audience_ids", c), params)}
             blocked = set() if c.exempt or c.cooldown <= timedelta(0) else taken
             eligible = ids - blocked
-            taken |= eligible
+            held_out = {u for u in eligible if in_holdout(c.name, u, c.holdout_share)}
+            taken |= eligible - held_out
             emails: list[dict[str, Any]] = []
             after = 0
             while len(emails) < sample:
@@ -535,10 +538,12 @@ class PostgresStore:
                     break
                 after = max(int(r[0]) for r in rows)
                 emails += [renderer.render_email(c, MintedRow(id=0, user_id=r[0], email=a.send, context=r[2] or {}))
-                           for r in rows if int(r[0]) in eligible and (a := normalise_address(r[1])).valid]
+                           for r in rows if int(r[0]) in eligible and int(r[0]) not in held_out
+                           and (a := normalise_address(r[1])).valid]
             out.append({
                 "campaign": c.name,
                 "eligible": len(eligible),
+                "holdout": len(held_out),
                 "window": [window[0].isoformat(), window[1].isoformat()],
                 "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails[:sample]],
             })

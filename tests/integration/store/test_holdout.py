@@ -21,18 +21,20 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import MAIL_TABLES
+from conftest import MAIL_TABLES, UNSUBSCRIBE_SECRET
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lifecycle_rig import END, D, H, Rig, add_user, simple_campaign
+from lifecycle_rig import END, INTERVAL, D, H, Rig, add_user, simple_campaign
 from lifecycle_rig import rig as rig  # noqa: F401  (fixture)
 
 from mailflow.campaigns import EXAMPLES_DIR, CampaignFileError, load_campaigns
 from mailflow.cli import report
+from mailflow.feedback.unsubscribe_tokens import signer_from_secret
 from mailflow.model.holdout import check_share, holdout_fraction, in_holdout
 from mailflow.model.outcome import DataInterval
 from mailflow.model.tally import Tally
 from mailflow.orchestration.ui.progress_queries import load_campaign
+from mailflow.sendloop.render import Renderer
 from mailflow.store.sql import analytics
 from mailflow_dev.chaos.audit import audit
 from mailflow_dev.demo.loader import install_lift_view
@@ -171,6 +173,10 @@ def test_a_holdout_row_is_no_contact_for_another_campaign(rig: Rig) -> None:
     a = dataclasses.replace(simple_campaign("lc_a", 1), holdout_share=0.5)
     b = simple_campaign("lc_b", 2)
     held = {u for u in range(1, 31) if in_holdout("lc_a", u, 0.5)}
+    renderer = Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
+    preview = rig.store().preview([b, a], INTERVAL, renderer, sample=40)
+    assert [(p["campaign"], p["eligible"], p["holdout"], len(p["sample"])) for p in preview] == [
+        ("lc_a", 30, len(held), 30 - len(held)), ("lc_b", len(held), 0, len(held))]  # what the run then does
     sa, sb = rig.run([a, b])
     assert by_status(rig.db, "lc_a") == {"holdout": held, "sent": set(range(1, 31)) - held}
     assert by_status(rig.db, "lc_b") == {"sent": held}
