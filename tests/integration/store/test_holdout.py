@@ -262,10 +262,11 @@ def test_campaign_lift_on_a_known_dataset(rig: Rig) -> None:
              len(held), sum(1 for u in held if u % 3 == 0), rate(held), exact_lift, timedelta(days=7))]
     cur = rig.db.execute(analytics("campaign_lift"))
     assert [r[:10] for r in cur.fetchall()] == want  # lc_none has no holdout group: not listed
-    with rig.db.cursor() as c:
+    # the demo loader's view (rolled back: the session database keeps exactly the migrations' views)
+    with rig.db.transaction(force_rollback=True), rig.db.cursor() as c:
         assert install_lift_view(c)
-    assert [r[:10] for r in rig.db.execute("select * from mail.campaign_lift").fetchall()] == want
-    assert rig.db.execute("select last_minted_at from mail.campaign_lift").fetchone() == (max(minted.values()),)
+        assert [r[:10] for r in c.execute("select * from mail.campaign_lift").fetchall()] == want
+        assert c.execute("select last_minted_at from mail.campaign_lift").fetchone() == (max(minted.values()),)
     # docs/send_log.md (Q15) shows the query as shipped, from its first statement on
     doc = (Path(__file__).resolve().parents[3] / "docs" / "send_log.md").read_text(encoding="utf-8")
     text = analytics("campaign_lift")
