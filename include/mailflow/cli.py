@@ -40,9 +40,9 @@ REPORT_HEAD: tuple[str, ...] = ("campaign", *TALLY_COLUMNS)
 
 
 def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
-    """Rows ``(campaign, total, pending, sending, sent, failed, cancelled, duplicate, skipped, invalid,
+    """Rows ``(campaign, total, pending, sending, sent, failed, cancelled, duplicate, skipped, holdout, invalid,
     dead_lettered, rolled_back)`` by campaign (:data:`REPORT_HEAD`), counted as every summary counts
-    (:mod:`mailflow.model.tally`): the first seven states add up to ``total``; ``invalid`` and
+    (:mod:`mailflow.model.tally`): the first eight states add up to ``total``; ``invalid`` and
     ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total."""
     return conn.execute(query("report", "campaign_tally")).fetchall()
 

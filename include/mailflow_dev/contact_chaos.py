@@ -117,10 +117,10 @@ def _provision_worker(dsn: str, ids: Sequence[int], barrier: Any, done: Any, pac
 
 
 NEVER_DECIDED = ("select count(*) from app.users u where not exists (select 1 from mail.send_log l"
-                 " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped', 'duplicate'))")
+                 " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped', 'duplicate', 'holdout'))")
 NEVER_DECIDED_SHARED = (
     "select count(*) from app.users u where not exists (select 1 from mail.send_log l"
-    " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped', 'duplicate'))"
+    " where l.user_id = u.user_id and l.status in ('sent', 'sending', 'pending', 'skipped', 'duplicate', 'holdout'))"
     " and not exists (select 1 from mail.send_log m where m.status in ('sent', 'sending')"
     " and ((u.user_id % 10 = 0 and m.user_id = u.user_id - 1) or (u.user_id % 10 = 9 and m.user_id = u.user_id + 1)))")
 """Users with no decision; with shared mailboxes, a user is also decided when the other user id at

@@ -214,7 +214,7 @@ def assert_sent_run(dr: Any, end: datetime, rows: list[tuple[Any, ...]], expecte
     assert [s["campaign"] for s in summary] == names
     for s in summary:
         n = sent[s["campaign"]]
-        assert s == {"campaign": s["campaign"], "eligible": n, "minted": n, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": n, "pending": 0, "sending": 0, "sent": n, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+        assert s == {"campaign": s["campaign"], "eligible": n, "minted": n, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": n, "pending": 0, "sending": 0, "sent": n, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
 
 
 @pytest.mark.airflow

@@ -19,6 +19,7 @@ from typing import Any
 
 from mailflow.campaigns.folder import EXAMPLES_DIR, CampaignFileError, CampaignFolder, hash_content
 from mailflow.campaigns.templating import check_campaign_templates
+from mailflow.model.holdout import check_share
 from mailflow.model.outcome import DataInterval, as_timedelta
 from mailflow.model.policy import Cap, ContactPolicy, policy_from_mapping
 
@@ -32,7 +33,8 @@ _REQUIRED = ("name", "priority", "audience", "template", "subject")
 #: every key a ``[[campaign]]`` may set, and its type (strict: any other key is an error)
 _CAMPAIGN_KEYS: dict[str, type | tuple[type, ...]] = {
     "name": str, "priority": int, "audience": str, "template": str, "subject": str, "from": str,
-    "reply_to": str, "audience_window": str, "marketing": bool, "max_interval_age": str, "policy": str}
+    "reply_to": str, "audience_window": str, "marketing": bool, "max_interval_age": str, "policy": str,
+    "holdout_share": (int, float)}
 #: ``[defaults]`` holds any campaign key but name and priority, plus the policy's fallback cooldown
 _DEFAULT_KEYS = {k: v for k, v in _CAMPAIGN_KEYS.items() if k not in ("name", "priority")} | {"cooldown": str}
 _TOP_KEYS = ("policy", "defaults", "campaign")
@@ -59,6 +61,9 @@ class Campaign:
     :ivar max_interval_age: a run whose data interval ended longer ago than this (a backfill of an
         old interval) sends nothing for this campaign unless the run allows old intervals: its
         moment has passed (default 6 hours).
+    :ivar holdout_share: share [0, 1) of the audience held out as a control group (``holdout_share``,
+        default 0: nobody): the users :func:`mailflow.model.holdout.in_holdout` selects get a
+        ``holdout`` row at mint instead of an email (docs/model.md, "Holdout groups").
     """
 
     name: str
@@ -74,6 +79,7 @@ class Campaign:
     max_interval_age: timedelta = timedelta(hours=6)
     caps: tuple[Cap, ...] = ()
     exempt: bool = False
+    holdout_share: float = 0.0
     content_hash: str | None = None
     """16 hex of sha256 over the campaign's definition (its ``[[campaign]]`` table with the
     ``[defaults]`` it takes), its audience SQL and the templates it renders (layouts included);
@@ -234,6 +240,10 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None, *,
                 durations[key] = as_timedelta(merged.get(key, default))
             except ValueError as exc:
                 raise CampaignFileError(path, key, f"{where}: {key}: {exc}") from None
+        try:
+            holdout_share = check_share(merged.get("holdout_share", 0), f"{where}: holdout_share")
+        except ValueError as exc:
+            raise CampaignFileError(path, "holdout_share", str(exc)) from None
         audience_sql = audience.read_text(encoding="utf-8")
         files = {folder.relative(audience): audience_sql, **folder.template_sources(str(merged["template"]))}
         out.append(
@@ -251,6 +261,7 @@ def load_campaigns(path: Path | None = None, only: list[str] | None = None, *,
                 max_interval_age=durations["max_interval_age"],
                 caps=policy.caps,
                 exempt=merged.get("policy", "apply") == "exempt",
+                holdout_share=holdout_share,
                 content_hash=hash_content(merged, files),
             )
         )

@@ -163,7 +163,9 @@ class CampaignSummary:
     request certainly failed); ``unknown`` = rows left ``sending`` after an ambiguous answer;
     ``held`` = users the contact guard left out at mint, without a row (a claim that committed after
     the audience was read, an address suppressed in a spelling the audience query cannot match, or an
-    address the provider rejected earlier in this run; a later run decides again); ``not_reached``
+    address the provider rejected earlier in this run; a later run decides again); ``holdout`` = users
+    recorded in the campaign's holdout group (a ``holdout`` row, no email; docs/model.md, "Holdout
+    groups"); ``not_reached``
     (also ``skipped``) = eligible users not decided (time budget or stop), without a row.
 
     :meth:`emails` counts the rows the run wrote the way every other summary counts the send log
@@ -181,11 +183,12 @@ class CampaignSummary:
     invalid: int = 0
     duplicates: int = 0
     held: int = 0
+    holdout: int = 0
 
     @property
     def not_reached(self) -> int:
         """Eligible users the run did not decide (no row): time budget or a stop."""
-        return max(self.eligible - self.minted - self.invalid - self.duplicates - self.held, 0)
+        return max(self.eligible - self.minted - self.invalid - self.duplicates - self.held - self.holdout, 0)
 
     @property
     def skipped(self) -> int:

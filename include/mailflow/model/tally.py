@@ -15,9 +15,10 @@ column            send-log rows (``mail.send_log``)
 ``cancelled``     status ``cancelled`` (campaign cancelled, user or address suppressed)
 ``duplicate``     status ``duplicate`` (another user of the campaign got it at the same address)
 ``skipped``       status ``skipped`` (held back by the contact policy; the campaign skips)
+``holdout``       status ``holdout`` (in the campaign's holdout group: recorded, never sent)
 ================  ===============================================================================
 
-Those seven are disjoint and add up to ``total``. Three more columns break some of them down or sit
+Those eight are disjoint and add up to ``total``. Three more columns break some of them down or sit
 outside the total: ``invalid`` (of ``failed``: never claimed, ``claimed_at`` null: decided without a
 request because the address is invalid; the row's error starts ``invalid address:``),
 ``dead_lettered`` (``failed`` rows given up for a person to decide, a
@@ -33,7 +34,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 #: The disjoint columns, in display order; they add up to the total.
-STATE_COLUMNS: tuple[str, ...] = ("pending", "sending", "sent", "failed", "cancelled", "duplicate", "skipped")
+STATE_COLUMNS: tuple[str, ...] = ("pending", "sending", "sent", "failed", "cancelled", "duplicate", "skipped",
+                                  "holdout")
 #: Breakdowns: ``invalid`` is part of ``failed``; ``dead_lettered`` of ``failed`` and ``rolled_back``;
 #: ``rolled_back`` is outside the total.
 DETAIL_COLUMNS: tuple[str, ...] = ("invalid", "dead_lettered", "rolled_back")
@@ -63,6 +65,7 @@ class RunCounts(Protocol):
     failed: int
     invalid: int
     duplicates: int
+    holdout: int
     released: int
     unknown: int
 
@@ -78,6 +81,7 @@ class Tally:
     cancelled: int = 0
     duplicate: int = 0
     skipped: int = 0
+    holdout: int = 0
     invalid: int = 0
     dead_lettered: int = 0
     rolled_back: int = 0
@@ -114,10 +118,12 @@ class Tally:
         invalid address (``invalid``); both are ``failed`` rows in the send log. Rows left ``sending``
         (``unknown``: an ambiguous answer) stay ``sending``; released attempts are ``rolled_back``.
         A scheduled dispatch also cancels (suppressed addresses) and skips (contact policy) rows:
-        ``cancelled`` and ``skipped`` (a lifecycle run does neither: 0).
+        ``cancelled`` and ``skipped`` (a lifecycle run does neither: 0). A run's ``holdout`` rows are the
+        users it recorded in the campaign's holdout group.
         """
         return cls(sending=run.unknown, sent=run.sent, failed=run.failed + run.invalid, cancelled=cancelled,
-                   duplicate=run.duplicates, skipped=skipped, invalid=run.invalid, rolled_back=run.released)
+                   duplicate=run.duplicates, skipped=skipped, holdout=run.holdout, invalid=run.invalid,
+                   rolled_back=run.released)
 
     @classmethod
     def of_mapping(cls, values: dict[str, Any]) -> Tally:

@@ -159,10 +159,10 @@ def run_lifecycle(
         if summary.minted and summary.failed == summary.minted:
             state.fatal.append(f"{summary.campaign}: every one of {summary.minted} emails was rejected by the provider")
         log.info("%s: eligible %d, minted %d, sent %d, failed %d, rolled back %d, unknown %d, invalid address %d, "
-                 "duplicate address %d, held back by the contact guard %d, skipped %d%s",
+                 "duplicate address %d, held back by the contact guard %d, holdout %d, skipped %d%s",
                  summary.campaign, summary.eligible, summary.minted, summary.sent, summary.failed,
                  summary.released, summary.unknown, summary.invalid, summary.duplicates, summary.held,
-                 summary.skipped,
+                 summary.holdout, summary.skipped,
                  f" (stopped: {summary.stopped})" if summary.stopped else "")
     if state.breaker is not None and state.breaker.opened_by_run is not None:
         # the provider failed whole requests or the breaker was open: the run could not send
@@ -256,6 +256,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
         summary.invalid += minted.invalid
         summary.duplicates += minted.duplicates
         summary.held += minted.held
+        summary.holdout += minted.holdout
         if minted.batch is None:
             continue
         summary.chunks += 1

@@ -10,10 +10,12 @@ deletes a recorded row.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
 import psycopg
+from psycopg import sql as pgsql
 
 from mailflow.store.policy import mailbox_key
 
@@ -135,8 +137,50 @@ def require_suppression_keys(conn: psycopg.Connection, *, lock_timeout_seconds: 
     return False
 
 
+#: every state mail.send_log.status may take once 0025 ran (the union with what the check already allows)
+_STATES_0025 = ("pending", "sending", "sent", "failed", "cancelled", "skipped", "duplicate", "holdout")
+
+
+def allow_holdout_status(conn: psycopg.Connection, *, lock_timeout_seconds: float = 1.0, retries: int = 10) -> bool:
+    """Migration 0025: the send log's status check ``send_log_status_check`` allows ``holdout``.
+
+    Keeps every state the current check allows (another migration may have added one; read from
+    its definition, as 0007 did) and replaces the check in one ``ALTER TABLE`` (drop and add in the
+    same statement: there is no moment without a check), ``NOT VALID`` (no scan under the lock:
+    every existing row passed the narrower check). A brief lock with ``lock_timeout``, retried with
+    a growing pause, like the migrator's transactional files. Idempotent.
+
+    :returns: True if the check was replaced, False if it already allowed ``holdout``.
+    :raises psycopg.errors.LockNotAvailable: if the lock was not granted after the retries.
+    """
+    for attempt in range(retries + 1):
+        try:
+            with conn.transaction():
+                conn.execute("select set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_seconds * 1000)}ms",))
+                row = conn.execute("select pg_get_constraintdef(oid) from pg_constraint"
+                                   " where conrelid = 'mail.send_log'::regclass"
+                                   " and conname = 'send_log_status_check'").fetchone()
+                # the states are quoted literals: 'sent'::text each (0001) or one '{a,b}'::text[] (0007)
+                allowed = {state for literal in re.findall(r"'([^']*)'", str(row[0]) if row else "")
+                           for state in literal.strip("{}").split(",") if re.fullmatch(r"[a-z_]+", state)}
+                if "holdout" in allowed:
+                    return False
+                states = sorted(allowed | set(_STATES_0025))
+                conn.execute(pgsql.SQL(
+                    "alter table mail.send_log drop constraint if exists send_log_status_check,"
+                    " add constraint send_log_status_check check (status = any ({}::text[])) not valid"
+                ).format(pgsql.Literal(states)))
+            return True
+        except psycopg.errors.LockNotAvailable:
+            if attempt == retries:
+                raise
+            time.sleep(min(30.0, 0.5 * 2**attempt))
+    return False
+
+
 STEPS: dict[str, Callable[[psycopg.Connection], object]] = {
     "backfill_mailbox_keys": backfill_mailbox_keys,
     "require_suppression_keys": require_suppression_keys,
+    "allow_holdout_status": allow_holdout_status,
 }
 """The named steps a migration may call (``-- migrate: python <name>``)."""

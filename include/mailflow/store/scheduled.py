@@ -62,8 +62,9 @@ class ScheduledStore:
         """Insert a draft campaign from the ``campaign_insert`` parameters (name, timezone,
         emails_per_day, weekdays, windows, holidays (a holidays-library code or None), start_at
         (None: now), template, subject, from_address, reply_to, recipients_sql, recipients_table,
-        marketing, on_policy, canary_share, canary_min_outcome_share, canary_max_wait); return its id."""
-        row = self._run("campaign_insert", {"holidays": None, **values}).fetchone()
+        marketing, on_policy, canary_share, canary_min_outcome_share, canary_max_wait, holdout_share
+        (a fraction in [0, 1); 0 or left out: no holdout group)); return its id."""
+        row = self._run("campaign_insert", {"holidays": None, "holdout_share": 0.0, **values}).fetchone()
         assert row is not None
         return int(row[0])
 
@@ -165,10 +166,11 @@ class ScheduledStore:
         """Record that every recipient has a row."""
         self._run("mark_provisioned", {"id": campaign_id, "plan_start": plan_start})
 
-    def provision_rows(self, campaign: str, page: list[dict[str, Any]], who: Mapping[str, Any]) -> int:
-        """Insert one page of planned rows (``who``: dag_id, run_id, task_id); how many were created."""
+    def provision_rows(self, campaign: str, page: list[dict[str, Any]], who: Mapping[str, Any]) -> tuple[int, int]:
+        """Insert one page of rows (``who``: dag_id, run_id, task_id): each planned (``scheduled_at``) or,
+        with ``"status": "holdout"`` and no time, held out; ``(rows created, of them holdout)``."""
         res = self._run("provision_rows", {"campaign": campaign, "page": Jsonb(page), **who}).fetchone()
-        return int(res[0]) if res else 0
+        return (int(res[0]), int(res[1])) if res else (0, 0)
 
     def advance_checkpoint(self, campaign_id: int, created: int, cursor: int | None,
                            planned_through: datetime | None, plan_start: datetime | None) -> None:

@@ -19,6 +19,7 @@ from psycopg.types.json import Jsonb
 
 from mailflow.campaigns import Campaign
 from mailflow.model.apply_by_index import CAMPAIGN_FIELDS, RENDERED_FIELDS, campaign_field
+from mailflow.model.holdout import in_holdout
 from mailflow.model.keys import batch_key, key_tag
 from mailflow.model.outcome import (
     Accepted,
@@ -55,6 +56,7 @@ class MintResult:
     invalid: int = 0
     duplicates: int = 0
     held: int = 0
+    holdout: int = 0
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,10 @@ class PostgresStore:
         ``mail.mailbox`` rows (key order), and the policy is re-evaluated on what is committed now,
         counting the user's contacts and every other user's at the same mailbox, so a concurrent
         claim of another path or run for the same user or mailbox is seen; a second user at an
-        address the campaign already mails gets a ``duplicate`` row naming the first. Either all of it commits (rows ``sending`` with their
+        address the campaign already mails gets a ``duplicate`` row naming the first. A user who passed
+        every check and is in the campaign's holdout group (:func:`mailflow.model.holdout.in_holdout`)
+        gets a ``holdout`` row instead of an email: no address reservation, no request, not a contact,
+        and it holds the (user, campaign) key like any row. Either all of it commits (rows ``sending`` with their
         batch bytes, re-sendable by the reconciler) or none of it does.
         """
         params = self._params(campaign, window, cooldown_since) | {"after": after, "limit": limit}
@@ -335,6 +340,13 @@ class PostgresStore:
                 # campaign's race; under the policy the guard holds them above): not ours, not held
                 taken = {int(x[0]) for x in taken_cur}
                 valid = [r for r in valid if int(r[0]) not in taken]
+            if valid and campaign.holdout_share > 0:
+                # the control group: decided here, after every check a treated user passes, so the two
+                # groups are drawn from the same users (docs/model.md, "Holdout groups")
+                out = {int(r[0]) for r in valid if in_holdout(campaign.name, int(r[0]), campaign.holdout_share)}
+                decided += [{"user_id": r[0], "email": addresses[r[0]].send, "email_key": addresses[r[0]].key,
+                             "context": r[2], "status": "holdout", "error": None} for r in valid if int(r[0]) in out]
+                valid = [r for r in valid if int(r[0]) not in out]
             alloc: Any = None
             if valid:
                 # round trip 3: reserve the addresses (one email per address and campaign) and
@@ -356,11 +368,13 @@ class PostgresStore:
                                         "error": duplicate_reason(addresses[r[0]].key, holder)})
                 valid = [r for r in valid if holders[addresses[r[0]].key] == int(r[0])]
             duplicates = sum(1 for d in decided if d["status"] == "duplicate")
+            holdout = sum(1 for d in decided if d["status"] == "holdout")
+            invalid = len(decided) - duplicates - holdout
             if decided:
                 conn.execute(query("lifecycle", "mint_decided"), who | {"page": Jsonb(decided)})
             if not valid:
-                return MintResult(page_size=read, cursor=cursor, batch=None, invalid=len(decided) - duplicates,
-                                  duplicates=duplicates, held=held)
+                return MintResult(page_size=read, cursor=cursor, batch=None, invalid=invalid,
+                                  duplicates=duplicates, held=held, holdout=holdout)
             assert alloc is not None
             ids, serial, installation = list(alloc[0]), int(alloc[1]), str(alloc[2])
             rows = tuple(MintedRow(id=int(ids[i]), user_id=int(r[0]), email=addresses[r[0]].send, context=r[2] or {})
@@ -370,7 +384,7 @@ class PostgresStore:
         if batch is not None:
             self._memory.minted(rows, {int(r[0]): addresses[r[0]].key for r in valid})
         return MintResult(page_size=read, cursor=cursor, batch=batch, rows=rows,
-                          invalid=len(decided) - duplicates, duplicates=duplicates, held=held)
+                          invalid=invalid, duplicates=duplicates, held=held, holdout=holdout)
 
     def _mint_keyed(self, campaign: Campaign, rows: tuple[MintedRow, ...], email_keys: dict[int, str],
                     who: dict[str, Any], serial: int, installation: str,
@@ -499,7 +513,9 @@ class PostgresStore:
         the run would claim is a contact for every later one, so a later campaign does not count
         them unless it is exempt (transactional) or there is no cooldown. ``eligible`` is what the
         real run reports as its campaign's ``eligible`` (the mint's re-check under the contact guard
-        may still hold some back: a claim committed after the dry run)."""
+        may still hold some back: a claim committed after the dry run); ``holdout`` is how many of
+        them the campaign's holdout group would take (no email, no contact for a later campaign, not
+        in the sample)."""
         out: list[dict[str, Any]] = []
         taken: set[int] = set()  # users an earlier campaign of this run would claim
         for c in sorted(campaigns, key=lambda c: c.priority):
@@ -510,7 +526,8 @@ class PostgresStore:
                 ids = {int(r[0]) for r in self.conn.execute(self._audience_sql("audience_ids", c), params)}
             blocked = set() if c.exempt or c.cooldown <= timedelta(0) else taken
             eligible = ids - blocked
-            taken |= eligible
+            held_out = {u for u in eligible if in_holdout(c.name, u, c.holdout_share)}
+            taken |= eligible - held_out
             emails: list[dict[str, Any]] = []
             after = 0
             while len(emails) < sample:
@@ -521,10 +538,12 @@ class PostgresStore:
                     break
                 after = max(int(r[0]) for r in rows)
                 emails += [renderer.render_email(c, MintedRow(id=0, user_id=r[0], email=a.send, context=r[2] or {}))
-                           for r in rows if int(r[0]) in eligible and (a := normalise_address(r[1])).valid]
+                           for r in rows if int(r[0]) in eligible and int(r[0]) not in held_out
+                           and (a := normalise_address(r[1])).valid]
             out.append({
                 "campaign": c.name,
                 "eligible": len(eligible),
+                "holdout": len(held_out),
                 "window": [window[0].isoformat(), window[1].isoformat()],
                 "sample": [{"to": mask_email(e["to"][0]), "subject": e["subject"]} for e in emails[:sample]],
             })

@@ -134,7 +134,7 @@ def audit(conn: psycopg.Connection, lines: list[dict[str, Any]], campaigns: tupl
     per_user: Counter[tuple[Any, ...]] = Counter()
     seen: dict[tuple[str, int], set[tuple[Any, ...]]] = defaultdict(set)
     bad_keys: set[str] = set()
-    without_sent = mismatch = 0
+    without_sent = mismatch = holdout_delivered = 0
     for d in lines:
         headers = {str(k).lower(): v for k, v in (d.get("headers") or {}).items()}
         sid = int(headers.get("x-mailflow-send-id", -1))
@@ -142,7 +142,8 @@ def audit(conn: psycopg.Connection, lines: list[dict[str, Any]], campaigns: tupl
         row = rows.get(sid)
         per_user[(row[1], row[2]) if row else ("unknown", sid)] += 1
         if row is None or row[3] != "sent":
-            without_sent += 1
+            without_sent += 1  # a holdout row's delivery among them: holdout rows are never sent
+            holdout_delivered += int(row is not None and row[3] == "holdout")
         elif row[4] != d.get("id"):
             mismatch += 1
         key, index = str(d.get("idempotency_key")), int(d.get("batch_index") or 0)
@@ -165,6 +166,9 @@ def audit(conn: psycopg.Connection, lines: list[dict[str, Any]], campaigns: tupl
     wrongly = [r for r in rows.values() if r[3] == "failed" and r[7] is None and r[8] is None
                and r[1] not in bad_users and not str(r[6] or "").startswith("invalid address")]
     wrongly_failed = len(wrongly)
+    holdout = [r for r in rows.values() if r[3] == "holdout"]
+    # a holdout row is terminal from its mint: never given a provider id, a batch key or an error
+    holdout_touched = sum(1 for r in holdout if r[4] is not None or r[5] is not None or r[7] is not None)
     return {
         "duplicate_deliveries": sum(n - 1 for n in per_user.values() if n > 1),
         "sent_without_delivery": sum(1 for r in sent if by_row[r[0]] == 0),
@@ -175,5 +179,8 @@ def audit(conn: psycopg.Connection, lines: list[dict[str, Any]], campaigns: tupl
         "sent_rows": len(sent),
         "provider_ids_misattributed": mismatch,
         "dead_letters": dead,
+        "holdout_rows": len(holdout),
+        "holdout_delivered": holdout_delivered,
+        "holdout_touched": holdout_touched,
         "wrongly_failed": [f"row {r[0]} user {r[1]} {r[2]}: {r[6]}" for r in wrongly[:5]],
     }

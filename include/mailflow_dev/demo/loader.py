@@ -27,7 +27,9 @@ from importlib import resources
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
+from mailflow.store.sql import analytics
 from mailflow_dev.demo.generate import MALFORMED_KINDS, generate
 
 __all__ = ["MALFORMED_KINDS", "LoadSummary", "load_demo_data", "schema_sql"]
@@ -140,6 +142,7 @@ def load_demo_data(
         # Serialise concurrent loaders on the same database (DDL included).
         cur.execute("select pg_advisory_xact_lock(hashtext('mailflow.demo.load_demo_data'))")
         cur.execute(schema_sql())  # trusted static DDL from the package
+        install_lift_view(cur)
         if reset:
             cur.execute("truncate app.assessments, app.users")
         else:
@@ -212,6 +215,46 @@ def load_demo_data(
             f"anchor={anchor.isoformat()}{', after reset' if reset else ''}, in {elapsed:.2f}s"
         ),
     )
+
+
+LIFT_COMMENTS = {
+    None: "The lift of each campaign with a holdout group: treated (sent) against held-out users, conversion = "
+          "an assessment finished within 7 days after minted_at (store/sql/analytics/campaign_lift.sql; "
+          "installed by the demo loader where schema app is present, docs/send_log.md).",
+    "campaign": "Campaign name (one with at least one holdout row).",
+    "kind": "lifecycle or scheduled.",
+    "treated": "Users of the treated group: rows with status sent.",
+    "treated_converted": "Of those, users who finished an assessment within the horizon after minted_at.",
+    "treated_rate": "treated_converted / treated (fraction 0..1, 6 decimals); null when treated = 0.",
+    "holdout": "Users of the held-out group: rows with status holdout.",
+    "holdout_converted": "Of those, users who finished an assessment within the horizon after minted_at.",
+    "holdout_rate": "holdout_converted / holdout (fraction 0..1, 6 decimals); null when holdout = 0.",
+    "lift": "treated_rate - holdout_rate (absolute, fraction); null when a group is empty.",
+    "horizon": "The conversion window after minted_at (7 days).",
+    "last_minted_at": "The latest decision of either group: windows of rows minted within the horizon are still open.",
+}
+"""Comments of ``mail.campaign_lift`` (every view and column of schema mail has one)."""
+
+
+def install_lift_view(cur: psycopg.Cursor[Any]) -> bool:
+    """Create or replace ``mail.campaign_lift`` from the documented query
+    (``mailflow/store/sql/analytics/campaign_lift.sql``) when the send log is in this database.
+
+    The query joins ``app.assessments`` (the product's schema), so it is no migration: the demo's
+    database holds both schemas, a production send-log database need not (docs/send_log.md,
+    "Holdout groups and lift"). Returns whether the view was installed (False: the database has no
+    send log yet; load the demo again after ``mailflow migrate`` to install it).
+    """
+    cur.execute("select to_regclass('mail.send_log') is not null")
+    row = cur.fetchone()
+    if row is None or not row[0]:
+        return False
+    cur.execute(sql.SQL("create or replace view mail.campaign_lift as\n{}").format(sql.SQL(analytics("campaign_lift"))))
+    for column, text in LIFT_COMMENTS.items():
+        target = sql.SQL("view mail.campaign_lift") if column is None else \
+            sql.SQL("column mail.campaign_lift.{}").format(sql.Identifier(column))
+        cur.execute(sql.SQL("comment on {} is {}").format(target, sql.Literal(text)))
+    return True
 
 
 def _counts(cur: psycopg.Cursor[Any]) -> tuple[int, int, int]:

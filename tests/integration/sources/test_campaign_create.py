@@ -276,3 +276,11 @@ def test_the_summary_shows_local_send_hours_and_skipped_holidays(pg: psycopg.Con
     times = [r[0] for r in pg.execute("select scheduled_at from mail.send_log order by scheduled_at").fetchall()]
     assert times == [datetime(2026, 1, 5, 8, tzinfo=UTC), datetime(2026, 1, 5, 13, tzinfo=UTC),
                      datetime(2026, 1, 7, 8, tzinfo=UTC), datetime(2026, 1, 7, 13, tzinfo=UTC)]
+
+
+def test_a_holdout_share_from_the_definition_is_stored_and_replaced_with_the_draft(
+        pg: psycopg.Connection, folder: CampaignFolder) -> None:
+    cid = create_campaign(pg, SPEC | {"holdout_share": 0.2}, actor="ops", folder=folder)
+    assert float(campaign_row(pg, cid)["holdout_share"]) == 0.2
+    update_draft(pg, SPEC["name"], SPEC | {"holdout_share": 0.05}, actor="ops", folder=folder)
+    assert float(campaign_row(pg, cid)["holdout_share"]) == 0.05

@@ -37,6 +37,7 @@ from send_log_demo import (
 
 from mailflow.campaigns import load_campaigns
 from mailflow.emulator.testing import EmulatorProcess
+from mailflow.model.holdout import in_holdout
 from mailflow.store.migrate import migrate
 from mailflow.store.policy import normalise_address
 from mailflow_dev import devenv
@@ -156,16 +157,16 @@ def fetch(db: psycopg.Connection, sql: str, params: Any = None) -> tuple[list[st
 def test_campaign_daily_counts_each_event_on_its_local_day(db: psycopg.Connection, handmade: dict[str, Put]) -> None:
     cols, rows = fetch(db, "select * from mail.campaign_daily order by campaign, day")
     assert cols == ["campaign", "kind", "timezone", "day", "minted", "sent", "failed", "rolled_back", "cancelled",
-                    "dead_lettered", "unique_users", "duplicate", "skipped"]
+                    "dead_lettered", "unique_users", "duplicate", "skipped", "holdout"]
     utc, ny = "UTC", "America/New_York"
     assert rows == [
-        ("lc_a", "lifecycle", utc, date(2026, 3, 9), 2, 1, 1, 0, 0, 0, 2, 0, 0),
-        ("lc_a", "lifecycle", utc, date(2026, 3, 10), 1, 0, 0, 1, 0, 0, 1, 0, 0),
-        ("lc_a", "lifecycle", utc, date(2026, 3, 11), 2, 1, 0, 0, 0, 1, 2, 0, 0),
-        ("lc_c", "lifecycle", utc, date(2026, 3, 9), 1, 1, 0, 0, 0, 0, 1, 0, 0),
-        ("sc_b", "scheduled", ny, date(2026, 3, 8), 4, 0, 0, 0, 0, 0, 4, 0, 0),
-        ("sc_b", "scheduled", ny, date(2026, 3, 9), 0, 1, 0, 0, 1, 0, 2, 0, 0),
-        ("sc_b", "scheduled", ny, date(2026, 3, 10), 0, 0, 1, 0, 0, 1, 1, 0, 0),
+        ("lc_a", "lifecycle", utc, date(2026, 3, 9), 2, 1, 1, 0, 0, 0, 2, 0, 0, 0),
+        ("lc_a", "lifecycle", utc, date(2026, 3, 10), 1, 0, 0, 1, 0, 0, 1, 0, 0, 0),
+        ("lc_a", "lifecycle", utc, date(2026, 3, 11), 2, 1, 0, 0, 0, 1, 2, 0, 0, 0),
+        ("lc_c", "lifecycle", utc, date(2026, 3, 9), 1, 1, 0, 0, 0, 0, 1, 0, 0, 0),
+        ("sc_b", "scheduled", ny, date(2026, 3, 8), 4, 0, 0, 0, 0, 0, 4, 0, 0, 0),
+        ("sc_b", "scheduled", ny, date(2026, 3, 9), 0, 1, 0, 0, 1, 0, 2, 0, 0, 0),
+        ("sc_b", "scheduled", ny, date(2026, 3, 10), 0, 0, 1, 0, 0, 1, 1, 0, 0, 0),
     ]
 
 
@@ -174,17 +175,17 @@ def test_campaign_progress_counts_percent_rate_and_eta(db: psycopg.Connection, h
     assert cols == ["campaign", "kind", "campaign_status", "timezone", "total", "pending", "sending", "sent", "failed",
                     "cancelled", "rolled_back", "dead_lettered", "done", "percent_done", "sent_last_5m",
                     "send_rate_per_min", "first_minted_at", "last_sent_at", "next_due_at", "last_due_at", "eta",
-                    "active", "duplicate", "skipped", "invalid"]
+                    "active", "duplicate", "skipped", "invalid", "holdout"]
     d0, d1 = Decimal("0.0"), Decimal("75.0")
     assert rows == [
         ("lc_a", "lifecycle", None, "UTC", 4, 0, 1, 2, 1, 0, 1, 1, 3, d1, 0, d0,
-         at(9, 23, 30), at(11, 1, 1), None, None, None, True, 0, 0, 0),
+         at(9, 23, 30), at(11, 1, 1), None, None, None, True, 0, 0, 0, 0),
         ("lc_c", "lifecycle", None, "UTC", 1, 0, 0, 1, 0, 0, 0, 0, 1, Decimal("100.0"), 0, d0,
-         at(9, 10), at(9, 10, 1), None, None, None, False, 0, 0, 0),
+         at(9, 10), at(9, 10, 1), None, None, None, False, 0, 0, 0, 0),
         ("sc_b", "scheduled", "scheduled", "America/New_York", 4, 1, 0, 1, 1, 1, 0, 1, 3, d1, 0, d0,
-         at(8, 12), at(10, 2), at(12, 14), at(12, 14), at(12, 14), True, 0, 0, 0),
+         at(8, 12), at(10, 2), at(12, 14), at(12, 14), at(12, 14), True, 0, 0, 0, 0),
         ("sc_empty", "scheduled", "draft", "Europe/Berlin", 0, 0, 0, 0, 0, 0, 0, 0, 0, Decimal("0"), 0, d0,
-         None, None, None, None, None, False, 0, 0, 0),
+         None, None, None, None, None, False, 0, 0, 0, 0),
     ]
     # a campaign sending now (one transaction: one now()): 10 sent 2 minutes ago (5.0 a minute since
     # the first of them), 1 sent 10 minutes ago, 20 in flight: ETA = now + 20 emails / 5 per minute
@@ -439,9 +440,9 @@ def ask(demo: Demo, n: int, **params: Any) -> list[tuple[Any, ...]]:
     return run_doc_query(demo.conn, n, role=None if n == 3 else "mail_analyst", **params)[1]
 
 
-def test_the_doc_has_fourteen_questions_each_with_sql() -> None:
+def test_the_doc_has_fifteen_questions_each_with_sql() -> None:
     questions = doc_questions()
-    assert sorted(questions) == list(range(1, 15))
+    assert sorted(questions) == list(range(1, 16))
     assert all(sql.lstrip().lower().startswith(("select", "with")) for _, _, sql in questions.values())
 
 
@@ -469,6 +470,24 @@ def test_q14_tells_the_analyst_which_campaign_version_each_email_came_from(demo:
     assert FP_CAMPAIGN == "first_practice"
     assert content_hash == fp.content_hash and len(content_hash) == 16
     assert emails == demo.summaries[FP_CAMPAIGN].sent > 0 and first_sent <= last_sent
+
+
+def test_q15_the_lift_of_the_demos_holdout_group(demo: Demo) -> None:
+    """first_practice holds out 10% of its audience (lifecycle.toml): Q15, as written, compares its sent
+    and held-out users, and the demo loader's view mail.campaign_lift gives the same rows. The demo's
+    assessments all lie before the run (anchored at the current hour): nobody converts yet."""
+    s = demo.summaries[FP_CAMPAIGN]
+    assert s.holdout > 0 and s.sent > 0
+    rows = run_doc_query(demo.conn, 15)[1]  # reads app.assessments: as the owner (like Q3)
+    assert [r[:10] for r in rows] == [(FP_CAMPAIGN, "lifecycle", s.sent, 0, Decimal(0), s.holdout, 0, Decimal(0),
+                                       Decimal(0), timedelta(days=7))]
+    assert demo.conn.execute("select * from mail.campaign_lift").fetchall() == rows
+    held = {int(u) for (u,) in demo.conn.execute("select user_id from mail.send_log where status = 'holdout'")}
+    sent = {int(u) for (u,) in demo.conn.execute("select user_id from mail.send_log where status = 'sent'"
+                                                 " and campaign = %s", (FP_CAMPAIGN,))}
+    members = {u for u, _ in demo.fp_audience if in_holdout(FP_CAMPAIGN, u, 0.1)}
+    assert len(held) == s.holdout and held <= members and not sent & members
+    assert as_analyst(demo.conn, "select holdout, treated from mail.campaign_lift") == [(s.holdout, s.sent)]
 
 
 def test_the_run_itself(demo: Demo) -> None:
@@ -527,6 +546,8 @@ def test_q4_what_one_run_did(demo: Demo) -> None:
     assert [r[:6] for r in rows] == [(c, s.minted + s.invalid, s.sent, s.failed + s.invalid, 0, 0)
                                       for c, s in sorted(demo.summaries.items()) if s.minted]
     assert all(r[6] is not None and r[7] is not None and r[6] <= r[7] for r in rows)
+    assert {r[0]: r[8] for r in rows} == {c: s.holdout for c, s in demo.summaries.items() if s.minted}
+    assert demo.summaries["first_practice"].holdout > 0  # the demo holds out 10% of first_practice
     assert ask(demo, 4, run_id="no such run") == []
 
 

@@ -134,6 +134,8 @@ SEND_LOG_INDEXES = {
     "send_log_mailbox_idx": "CREATE INDEX send_log_mailbox_idx ON mail.send_log USING btree (email_key, sent_at)"
                             " INCLUDE (status, scheduled_at, minted_at, user_id, campaign)"
                             " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
+    "send_log_holdout_idx": "CREATE INDEX send_log_holdout_idx ON mail.send_log USING btree (campaign, minted_at)"
+                            " INCLUDE (user_id, kind) WHERE (status = 'holdout'::text)",
 }
 
 
@@ -229,12 +231,14 @@ def test_0018_rolling_deploy_rows_written_without_a_key_after_migrating_are_keye
 
         assert main(["migrate", "--backfill", "--dsn", fresh]) == 0
         assert capsys.readouterr().out.splitlines() == [
-            "schema up to date", "backfill steps run again: backfill_mailbox_keys, require_suppression_keys"]
+            "schema up to date", "backfill steps run again: backfill_mailbox_keys, require_suppression_keys, "
+            "allow_holdout_status"]
         assert conn.execute("select user_id, email_key from mail.send_log order by id").fetchall() == [
             (1, "late@example.com"), (2, "οδοσ@example.gr"), (3, "bob@example.com")]
         assert conn.execute("select count(*) from mail.suppression").fetchone() == (0,)
         # idempotent: again, nothing changes
-        assert migrator.rerun_backfills(conn) == ["backfill_mailbox_keys", "require_suppression_keys"]
+        assert migrator.rerun_backfills(conn) == ["backfill_mailbox_keys", "require_suppression_keys",
+                                                 "allow_holdout_status"]
         assert conn.execute("select count(*), count(email_key) from mail.send_log").fetchone() == (3, 3)
 
 

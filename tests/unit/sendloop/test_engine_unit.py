@@ -195,7 +195,7 @@ def test_250_candidates_in_chunks_of_100_are_three_batches_100_100_50() -> None:
     # every user in exactly one batch, in user order
     users = [store.rows[rid]["user_id"] for b in provider.batches for rid in b.row_ids]
     assert users == list(range(1, 251))
-    assert s.as_dict() == {"campaign": "a", "eligible": 250, "minted": 250, "held": 0, "not_reached": 0, "chunks": 3, "stopped": None, "total": 250, "pending": 0, "sending": 0, "sent": 250, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert s.as_dict() == {"campaign": "a", "eligible": 250, "minted": 250, "held": 0, "not_reached": 0, "chunks": 3, "stopped": None, "total": 250, "pending": 0, "sending": 0, "sent": 250, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
     assert store.status_counts("a") == {"sent": 250}
     # the run context and interval reach the store; window and cooldown come from the interval end
     assert store.mints[0]["run"] == RUN
@@ -248,11 +248,11 @@ def test_time_budget_is_checked_between_chunks_only() -> None:
     assert provider.sizes() == [100, 100, 100]
     assert provider.deadlines == [70.0, 70.0, 70.0]
     assert clock.monotonic() == 90.0
-    assert s1.as_dict() == {"campaign": "first", "eligible": 500, "minted": 300, "held": 0, "not_reached": 200, "chunks": 3, "stopped": "time budget", "total": 300, "pending": 0, "sending": 0, "sent": 300, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert s1.as_dict() == {"campaign": "first", "eligible": 500, "minted": 300, "held": 0, "not_reached": 200, "chunks": 3, "stopped": "time budget", "total": 300, "pending": 0, "sending": 0, "sent": 300, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
     assert len(store.rows) == 300  # the rest was not minted
     # the later campaign is marked stopped without minting, and without evaluating its audience
     # (issue 16: its snapshot would cost up to seconds at 1M users past a budget already spent)
-    assert s2.as_dict() == {"campaign": "second", "eligible": 0, "minted": 0, "held": 0, "not_reached": 0, "chunks": 0, "stopped": "time budget", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert s2.as_dict() == {"campaign": "second", "eligible": 0, "minted": 0, "held": 0, "not_reached": 0, "chunks": 0, "stopped": "time budget", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
     assert [c[0] for c in store.counts] == ["first"]
     assert [m["campaign"] for m in store.mints] == ["first"] * 3
     assert store.status_counts("second") == {}
@@ -305,7 +305,7 @@ def test_not_sent_rolls_back_the_chunk_and_stops_the_run_without_marching_on() -
     provider = FakeProvider(clock, script=[accept_all, not_sent, accept_all])
     [s] = run(store, provider, [campaign("a", 1)], clock, chunk_size=100)
     assert provider.sizes() == [100, 100]
-    assert s.as_dict() == {"campaign": "a", "eligible": 250, "minted": 200, "held": 0, "not_reached": 50, "chunks": 2, "stopped": "provider refused the whole request: HTTP 422", "total": 100, "pending": 0, "sending": 0, "sent": 100, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 100}
+    assert s.as_dict() == {"campaign": "a", "eligible": 250, "minted": 200, "held": 0, "not_reached": 50, "chunks": 2, "stopped": "provider refused the whole request: HTTP 422", "total": 100, "pending": 0, "sending": 0, "sent": 100, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 100}
     assert store.status_counts("a") == {"sent": 100, "released": 100}
     released_users = sorted(r["user_id"] for r in store.rows.values() if r["released"])
     assert released_users == list(range(101, 201))
@@ -361,8 +361,8 @@ def test_an_outcome_with_stop_run_stops_the_whole_run(outcome: Outcome) -> None:
     assert provider.sizes() == [100, 100]
     released = 100 if isinstance(outcome, NotSent) else 0
     unknown = 100 - released
-    assert s1.as_dict() == {"campaign": "a", "eligible": 300, "minted": 200, "held": 0, "not_reached": 100, "chunks": 2, "stopped": "daily_quota_exceeded", "total": unknown + 100, "pending": 0, "sending": unknown, "sent": 100, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": released}
-    assert s2.as_dict() == {"campaign": "b", "eligible": 2, "minted": 0, "held": 0, "not_reached": 2, "chunks": 0, "stopped": "daily_quota_exceeded", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert s1.as_dict() == {"campaign": "a", "eligible": 300, "minted": 200, "held": 0, "not_reached": 100, "chunks": 2, "stopped": "daily_quota_exceeded", "total": unknown + 100, "pending": 0, "sending": unknown, "sent": 100, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": released}
+    assert s2.as_dict() == {"campaign": "b", "eligible": 2, "minted": 0, "held": 0, "not_reached": 2, "chunks": 0, "stopped": "daily_quota_exceeded", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
     assert [m["campaign"] for m in store.mints] == ["a", "a"]
 
 
@@ -376,8 +376,8 @@ def test_fatal_outcome_raises_send_error_with_the_summaries_after_recording() ->
         run(store, provider, [campaign("a", 1), campaign("b", 2)], clock, chunk_size=100)
     assert str(err.value) == "a: provider refused the API key of connection 'resend_default': HTTP 401"
     assert [s.as_dict() for s in err.value.summaries] == [
-        {"campaign": "a", "eligible": 150, "minted": 100, "held": 0, "not_reached": 50, "chunks": 1, "stopped": "authentication failed", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 100},
-        {"campaign": "b", "eligible": 1, "minted": 0, "held": 0, "not_reached": 1, "chunks": 0, "stopped": "authentication failed", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0},
+        {"campaign": "a", "eligible": 150, "minted": 100, "held": 0, "not_reached": 50, "chunks": 1, "stopped": "authentication failed", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 100},
+        {"campaign": "b", "eligible": 1, "minted": 0, "held": 0, "not_reached": 1, "chunks": 0, "stopped": "authentication failed", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0},
     ]
     assert len(provider.batches) == 1
     assert store.status_counts("a") == {"released": 100}  # recorded before raising
@@ -410,8 +410,8 @@ def test_a_campaign_whose_every_email_is_rejected_raises_after_recording() -> No
         run(store, provider, [campaign("a", 1), campaign("b", 2)], clock, chunk_size=3)
     assert str(err.value) == "a: every one of 5 emails was rejected by the provider"
     assert [s.as_dict() for s in err.value.summaries] == [
-        {"campaign": "a", "eligible": 5, "minted": 5, "held": 0, "not_reached": 0, "chunks": 2, "stopped": None, "total": 5, "pending": 0, "sending": 0, "sent": 0, "failed": 5, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0},
-        {"campaign": "b", "eligible": 2, "minted": 2, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": 2, "pending": 0, "sending": 0, "sent": 2, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0},
+        {"campaign": "a", "eligible": 5, "minted": 5, "held": 0, "not_reached": 0, "chunks": 2, "stopped": None, "total": 5, "pending": 0, "sending": 0, "sent": 0, "failed": 5, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0},
+        {"campaign": "b", "eligible": 2, "minted": 2, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": 2, "pending": 0, "sending": 0, "sent": 2, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0},
     ]
     assert store.status_counts("a") == {"failed": 5}
     assert sorted(r["error"] for r in store.rows.values() if r["campaign"] == "a") == [
@@ -435,7 +435,7 @@ def test_an_empty_audience_sends_nothing() -> None:
     provider = FakeProvider(clock)
     [s] = run(store, provider, [campaign("a", 1)], clock)
     assert provider.batches == []
-    assert s.as_dict() == {"campaign": "a", "eligible": 0, "minted": 0, "held": 0, "not_reached": 0, "chunks": 0, "stopped": None, "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert s.as_dict() == {"campaign": "a", "eligible": 0, "minted": 0, "held": 0, "not_reached": 0, "chunks": 0, "stopped": None, "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
 
 
 # -- strict-mode refusal -------------------------------------------------------------------------
@@ -455,7 +455,7 @@ def test_strict_refusal_without_index_resends_the_whole_chunk_permissive_under_a
     assert (first.validation, second.validation) == (None, "permissive")
     assert second.idempotency_key != first.idempotency_key
     assert store.rebatched == [second]
-    assert s.as_dict() == {"campaign": "a", "eligible": 5, "minted": 5, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": 5, "pending": 0, "sending": 0, "sent": 4, "failed": 1, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert s.as_dict() == {"campaign": "a", "eligible": 5, "minted": 5, "held": 0, "not_reached": 0, "chunks": 1, "stopped": None, "total": 5, "pending": 0, "sending": 0, "sent": 4, "failed": 1, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
     assert {r["user_id"]: (r["status"], r["pid"], r["error"]) for r in store.rows.values()} == {
         1: ("sent", "p-1", None), 2: ("sent", "p-2", None), 3: ("failed", None, "Invalid `to` field."),
         4: ("sent", "p-4", None), 5: ("sent", "p-5", None)}
@@ -481,7 +481,7 @@ def test_an_interval_older_than_max_interval_age_sends_nothing() -> None:
     provider = FakeProvider(clock)
     young = dataclasses.replace(campaign("b", 2), max_interval_age=timedelta(days=3))
     sa, sb = run(store, provider, [campaign("a", 1), young], clock, now=END + timedelta(days=2))
-    assert sa.as_dict() == {"campaign": "a", "eligible": 2, "minted": 0, "held": 0, "not_reached": 2, "chunks": 0, "stopped": "interval ended 2 days, 0:00:00 ago, over max_interval_age 6:00:00", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
+    assert sa.as_dict() == {"campaign": "a", "eligible": 2, "minted": 0, "held": 0, "not_reached": 2, "chunks": 0, "stopped": "interval ended 2 days, 0:00:00 ago, over max_interval_age 6:00:00", "total": 0, "pending": 0, "sending": 0, "sent": 0, "failed": 0, "cancelled": 0, "duplicate": 0, "skipped": 0, "holdout": 0, "invalid": 0, "dead_lettered": 0, "rolled_back": 0}
     # the gate is per campaign: b accepts intervals up to 3 days old
     assert (sb.minted, sb.sent, sb.stopped) == (1, 1, None)
     assert provider.campaigns() == ["b"]

@@ -34,7 +34,8 @@ NO_OUTCOMES = {"delivered": 0, "hard_bounced": 0, "complained": 0, "no_outcome_y
                "hard_bounce_rate": None, "complaint_rate": None, "open_rate": None, "click_rate": None,
                "guard_state": "ok", "guard_reason": None, "account_guard_state": "ok", "account_guard_reason": None}
 DAYS_SQL = """
-select day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users, duplicate, skipped
+select day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users, duplicate, skipped,
+       holdout
 from mail.campaign_daily where campaign = %(campaign)s order by day desc limit %(days)s
 """
 RECENT_SQL = """
@@ -94,7 +95,7 @@ group by 1, 2 order by 2
 PLAN_SQL = """
 select t, sum(planned)::bigint as planned, sum(sent)::bigint as sent from (
     select date_trunc('hour', scheduled_at) as t, 1 as planned, 0 as sent
-    from mail.send_log where campaign = %(campaign)s and kind = 'scheduled' and status <> 'cancelled'
+    from mail.send_log where campaign = %(campaign)s and kind = 'scheduled' and status not in ('cancelled', 'holdout')
     union all
     select date_trunc('hour', sent_at), 0, 1
     from mail.send_log where campaign = %(campaign)s and kind = 'scheduled' and status = 'sent'
@@ -127,7 +128,7 @@ def load_series(conn: psycopg.Connection, name: str | None = None, *, now: datet
     (the list: the last 30 UTC days; one campaign: from its first to its last sending day, in its
     timezone). ``plan`` (scheduled campaigns only, else None): ``{"unit": "hour" | "day", "t": [...],
     "planned": [...], "sent": [...]}``, cumulative counts at the end of each step; planned counts
-    every row not cancelled at its ``scheduled_at``.
+    every row not cancelled at its ``scheduled_at`` (holdout rows have no slot: not planned).
     """
     if now is None:
         now = conn.execute("select now()").fetchone()[0]  # type: ignore[index]

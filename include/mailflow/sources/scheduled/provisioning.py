@@ -17,6 +17,7 @@ from psycopg import sql as pgsql
 from mailflow import settings
 from mailflow.campaigns import CampaignFolder
 from mailflow.campaigns.templating import check_campaign_templates, subject_template
+from mailflow.model.holdout import in_holdout
 from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import (
     actor_name,
@@ -71,6 +72,7 @@ class ProvisionSummary:
     created: int = 0
     skipped_existing: int = 0
     skipped_no_email: int = 0
+    holdout: int = 0
     provisioned_total: int = 0
     complete: bool = False
     stopped: str | None = None
@@ -143,7 +145,9 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
               folder: CampaignFolder | None = None) -> ProvisionSummary:
     """Create one ``pending`` send-log row (``kind = 'scheduled'``) per recipient, with its planned
     ``scheduled_at`` (UTC) and a snapshot (address; context = the recipient's extra columns plus the
-    rendered ``subject``), ``chunk`` recipients per transaction.
+    rendered ``subject``), ``chunk`` recipients per transaction. A recipient in the campaign's holdout
+    group (``mail.campaign.holdout_share``, :func:`mailflow.model.holdout.in_holdout`) gets a ``holdout``
+    row instead: no slot in the plan, never claimed (``holdout`` counts them, of ``created``).
 
     Idempotent and resumable: each chunk's rows and the checkpoint commit together, rows are
     inserted ``ON CONFLICT DO NOTHING``, and a second call continues after the checkpoint (creating
@@ -218,6 +222,9 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
             cursor = max(uid for uid, _, _ in recipients)
             usable = [r for r in recipients if r[1]]
             summary.skipped_no_email += len(recipients) - len(usable)
+            share = float(c.get("holdout_share") or 0.0)
+            held_out = [r for r in usable if in_holdout(c["name"], r[0], share)]
+            usable = [r for r in usable if not in_holdout(c["name"], r[0], share)]
             summary.recipients += len(recipients)
             planned_through, plan_skip = c["planned_through"], int(c["plan_skip"])
             times = list(plan_after(spec, plan_start, plan_skip, planned_through, len(usable)))
@@ -242,14 +249,17 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                     raise ValueError(f"campaign {c['name']!r}: subject refused by the sandbox: {exc} (user {uid})") from None
                 rows.append({"user_id": uid, "email": email, "email_key": mailbox_key(email),
                              "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
-            created = 0
+            rows += [{"user_id": uid, "email": email, "email_key": mailbox_key(email), "context": ctx,
+                      "scheduled_at": None, "status": "holdout"} for uid, email, ctx in held_out]
+            created = holdout = 0
             if rows:
-                created = ScheduledStore(conn).provision_rows(c["name"], rows, {
+                created, holdout = ScheduledStore(conn).provision_rows(c["name"], rows, {
                     "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
             ScheduledStore(conn).advance_checkpoint(campaign_id, created, cursor,
                                                     times[-1] if times else planned_through, plan_start)
         summary.chunks += 1
         summary.created += created
+        summary.holdout += holdout
         summary.skipped_existing += len(rows) - created
         summary.provisioned_total = int(c["provisioned_count"]) + created
         if times:

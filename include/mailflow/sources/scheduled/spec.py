@@ -260,7 +260,7 @@ def _prepare(spec: Mapping[str, Any] | CampaignDefinition, base_dir: Path | None
         "windows": [str(w) for w in plan.windows], "holidays": d.holidays, "start_at": d.start_at,
         "template": d.template, "subject": d.subject, "from_address": d.from_address, "reply_to": d.reply_to,
         "recipients_sql": recipients_sql, "recipients_table": recipients_table, "marketing": d.marketing,
-        "on_policy": d.on_policy, **canary_fields(d),
+        "on_policy": d.on_policy, "holdout_share": d.holdout_share, **canary_fields(d),
     }
     return d, values, csv_path
 

@@ -34,3 +34,13 @@ def queries(domain: str) -> dict[str, str]:
 def query(domain: str, name: str) -> str:
     """Return the named statement ``name`` of ``store/sql/queries/<domain>.sql``."""
     return queries(domain)[name]
+
+
+def analytics(name: str) -> str:
+    """Return the analysts' query ``store/sql/analytics/<name>.sql`` (one SELECT, no parameters, no
+    trailing semicolon), as documented in docs/send_log.md: the text runs unmodified in psql.
+
+    :raises FileNotFoundError: if there is no such file.
+    """
+    text = resources.files(__package__).joinpath("analytics", f"{name}.sql").read_text(encoding="utf-8")
+    return text.strip().rstrip(";")

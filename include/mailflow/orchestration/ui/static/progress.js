@@ -18,14 +18,15 @@
 
   const COUNTS = [
     ["total", "Total"], ["pending", "Pending"], ["sending", "Sending"], ["sent", "Sent"], ["failed", "Failed"],
-    ["cancelled", "Cancelled"], ["duplicate", "Duplicate"], ["skipped", "Skipped"], ["invalid", "of failed: invalid"],
+    ["cancelled", "Cancelled"], ["duplicate", "Duplicate"], ["skipped", "Skipped"], ["holdout", "Holdout"],
+    ["invalid", "of failed: invalid"],
     ["rolled_back", "Rolled back"], ["dead_lettered", "Dead letters"],
     ["percent_done", "Done %"], ["send_rate_per_min", "Rate /min"], ["eta", "ETA"], ["next_due_at", "Next due"],
     ["last_sent_at", "Last sent"],
   ];
   // the columns every summary shows (mailflow.model.tally): the states add up to total
-  const LIST = ["total", "pending", "sending", "sent", "failed", "cancelled", "duplicate", "skipped", "rolled_back",
-    "dead_lettered"];
+  const LIST = ["total", "pending", "sending", "sent", "failed", "cancelled", "duplicate", "skipped", "holdout",
+    "rolled_back", "dead_lettered"];
   const RATES = [["delivered_rate", "Delivered"], ["hard_bounce_rate", "Hard bounces"], ["complaint_rate", "Complaints"]];
 
   function setLive(state, text) {
@@ -160,7 +161,8 @@
     if (data.days) {
       fill(document.querySelector("#days tbody"), data.days, (tr, d) => {
         cell(tr, d.day);
-        ["minted", "sent", "failed", "rolled_back", "cancelled", "duplicate", "skipped", "dead_lettered", "unique_users"]
+        ["minted", "sent", "failed", "rolled_back", "cancelled", "duplicate", "skipped", "holdout", "dead_lettered",
+          "unique_users"]
           .forEach((k) => cell(tr, d[k], "n", k));
       });
     }

@@ -4,14 +4,16 @@
 -- Exclusions (each a top-level NOT EXISTS, so the planner turns every one into an anti-join and
 -- can hash a whole set once instead of probing per candidate; docs/performance.md):
 --   dedupe:      the user already has a live row for this campaign (unique key send_log_campaign_user_uq,
---                0012: a campaign's users are one range of it, read once and hashed for a large audience);
+--                0012: a campaign's users are one range of it, read once and hashed for a large audience),
+--                a 'holdout' row included (the user was decided: held out);
 --   (no attempts clause: a whole-request failure never charges a user; only a rejection of that
 --    exact email or an unknown outcome past the idempotency window excludes one, and both keep
 --    the live unique key, so `dedupe` covers them; docs/model.md)
 --   policy:      the contact policy pre-filter (lifecycle.eligible_policy: cooldown and one
 --                lifecycle.eligible_cap per frequency cap the cooldown does not imply; for the run's
 --                snapshot the same rules as one probe per candidate, lifecycle.snapshot_policy);
---                empty for an exempt campaign (transactional mail, `policy = "exempt"`);
+--                empty for an exempt campaign (transactional mail, `policy = "exempt"`); it reads pending,
+--                sending and sent rows only: a 'holdout' row (or any other terminal state) is no contact;
 --   suppression: the user or the address is suppressed for all mail or for this campaign. The
 --                address part is a pre-filter on the stored mailbox key (suppression.email_key):
 --                the audience's address trimmed and its ASCII letters lower-cased by translate()
@@ -202,9 +204,10 @@ with minted as (
 select id, user_id, email, context from minted order by id
 
 -- name: mint_decided
--- Rows decided locally, never requested: 'failed' (invalid address, the validator's reason) or
--- 'duplicate' (another user of the campaign got it at this address: the reason names them). They
--- keep the live (user, campaign) key, so the user is not selected again for this campaign. The
+-- Rows decided locally, never requested: 'failed' (invalid address, the validator's reason),
+-- 'duplicate' (another user of the campaign got it at this address: the reason names them) or
+-- 'holdout' (the user is in the campaign's holdout group: no reason, never sent, not a contact).
+-- They keep the live (user, campaign) key, so the user is not selected again for this campaign. The
 -- event carries the reason.
 with made as (
     insert into mail.send_log (user_id, campaign, kind, email, email_key, context, status, error, attempts,

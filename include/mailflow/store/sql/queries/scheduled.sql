@@ -2,11 +2,11 @@
 -- Create a campaign (status draft); every value is bound. Returns its id.
 insert into mail.campaign (name, timezone, emails_per_day, weekdays, windows, holidays, start_at, template, subject,
                            from_address, reply_to, recipients_sql, recipients_table, marketing, on_policy,
-                           canary_share, canary_min_outcome_share, canary_max_wait)
-values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, %(holidays)s,
-        coalesce(%(start_at)s, now()), %(template)s, %(subject)s, %(from_address)s, %(reply_to)s,
-        %(recipients_sql)s, %(recipients_table)s, %(marketing)s, %(on_policy)s, %(canary_share)s,
-        %(canary_min_outcome_share)s, %(canary_max_wait)s)
+                           canary_share, canary_min_outcome_share, canary_max_wait, holdout_share)
+values (%(name)s, %(timezone)s, %(emails_per_day)s, %(weekdays)s, %(windows)s, %(holidays)s, coalesce(%(start_at)s, now()),
+        %(template)s, %(subject)s, %(from_address)s, %(reply_to)s, %(recipients_sql)s, %(recipients_table)s,
+        %(marketing)s, %(on_policy)s, %(canary_share)s, %(canary_min_outcome_share)s, %(canary_max_wait)s,
+        %(holdout_share)s)
 returning id
 
 -- name: campaign_update_definition
@@ -20,7 +20,7 @@ set timezone = %(timezone)s, emails_per_day = %(emails_per_day)s, weekdays = %(w
     recipients_sql = %(recipients_sql)s, recipients_table = %(recipients_table)s, marketing = %(marketing)s,
     on_policy = %(on_policy)s, canary_share = %(canary_share)s,
     canary_min_outcome_share = %(canary_min_outcome_share)s, canary_max_wait = %(canary_max_wait)s,
-    updated_at = now()
+    holdout_share = %(holdout_share)s, updated_at = now()
 where id = %(id)s and status = 'draft'
 returning id
 
@@ -90,24 +90,25 @@ from (
 where r.user_id > %(after)s
 
 -- name: provision_rows
--- One chunk of pending rows (kind 'scheduled') with their planned time and recipient snapshot.
+-- One chunk of rows (kind 'scheduled') with their recipient snapshot: 'pending' with the planned
+-- time, or 'holdout' (the recipient is in the campaign's holdout group: no time, never claimed).
 -- ON CONFLICT DO NOTHING on the live unique key (user_id, campaign): a row that exists is kept as
--- it is. The creation event (null -> pending) is appended in the same statement.
+-- it is. The creation event (null -> status) is appended in the same statement.
 with created as (
     insert into mail.send_log (user_id, campaign, kind, email, email_key, context, status, scheduled_at,
                                dag_id, run_id, task_id)
-    select p.user_id, %(campaign)s, 'scheduled', p.email, p.email_key, p.context, 'pending', p.scheduled_at,
-           %(dag_id)s, %(run_id)s, %(task_id)s
+    select p.user_id, %(campaign)s, 'scheduled', p.email, p.email_key, p.context, coalesce(p.status, 'pending'),
+           p.scheduled_at, %(dag_id)s, %(run_id)s, %(task_id)s
     from jsonb_to_recordset(%(page)s::jsonb)
-         as p(user_id bigint, email text, email_key text, context jsonb, scheduled_at timestamptz)
+         as p(user_id bigint, email text, email_key text, context jsonb, scheduled_at timestamptz, status text)
     order by p.user_id
     on conflict (user_id, campaign) where released_at is null do nothing
-    returning id
+    returning id, status
 ), ev as (
     insert into mail.send_event (send_log_id, from_status, to_status, attempt, dag_id, run_id, task_id)
-    select id, null, 'pending', 0, %(dag_id)s, %(run_id)s, %(task_id)s from created
+    select id, null, status, 0, %(dag_id)s, %(run_id)s, %(task_id)s from created
 )
-select count(*) from created
+select count(*), count(*) filter (where status = 'holdout') from created
 
 -- name: advance_checkpoint
 -- The provisioning checkpoint, in the same transaction as the chunk it covers.
@@ -123,17 +124,19 @@ where id = %(id)s
 -- The recipient list is exhausted: provisioning is complete (until new recipients appear). A
 -- campaign with a canary share fixes its canary here, once: the first ceil(share * rows) of its
 -- rows in plan order (id order: provisioning creates them in plan order); canary_last_id is the
--- last of them. Read through send_log_campaign_user_uq (campaign, user_id), once per campaign.
+-- last of them. Holdout rows are never sent: neither counted nor part of the canary. Read through
+-- send_log_campaign_user_uq (campaign, user_id), once per campaign.
 update mail.campaign c
 set provisioned_at = coalesce(c.provisioned_at, now()), plan_start = coalesce(c.plan_start, %(plan_start)s),
     canary_last_id = case when c.canary_share is null or c.canary_last_id is not null then c.canary_last_id
                           else (select max(k.id) from (
                                     select l.id from mail.send_log l
                                     where l.campaign = c.name and l.kind = 'scheduled' and l.released_at is null
+                                      and l.status <> 'holdout'
                                     order by l.id
                                     limit (select ceil(c.canary_share * count(*))::bigint from mail.send_log n
                                            where n.campaign = c.name and n.kind = 'scheduled'
-                                             and n.released_at is null)) k) end,
+                                             and n.released_at is null and n.status <> 'holdout')) k) end,
     updated_at = now()
 where c.id = %(id)s
 
@@ -359,6 +362,7 @@ select count(*) filter (where status = 'pending') as pending,
        count(*) filter (where status = 'sent') as sent,
        count(*) filter (where status = 'failed') as failed,
        count(*) filter (where status = 'cancelled') as cancelled,
+       count(*) filter (where status = 'holdout') as holdout,
        count(*) filter (where dead_lettered_at is not null) as dead_lettered,
        min(scheduled_at) filter (where status = 'pending') as next_due,
        max(sent_at) as last_sent,
