@@ -227,6 +227,45 @@ with claimed as (
 )
 select id, user_id, email, context, campaign, attempts from claimed order by scheduled_at, id
 
+-- name: current_addresses
+-- The claimed users' addresses now, from the campaign's recipient source (its recipients SQL file
+-- or table, composed as SQL / an identifier, never from input), restricted to the claimed user_ids:
+-- one set-based statement per claim. The restriction is pushed into the source (a plain select of
+-- app.users reads its primary key per user). A user the source returns twice gets one address
+-- (the smallest, so the choice is stable); an address that is null or blank is returned as null.
+select distinct on (r.user_id) r.user_id, nullif(btrim(r.email::text), '') as email
+from (
+{source}
+) as r
+where r.user_id = any(%(user_ids)s::bigint[])
+order by r.user_id, nullif(btrim(r.email::text), '') nulls last
+
+-- name: readdress_rows
+-- Give picked rows (locked by pick_due) the address the recipient source has now, with its mailbox
+-- key, and record each change in mail.address_change (old and new), in one statement of the claim's
+-- transaction. Only a row never attempted is re-addressed: still pending, kind scheduled, without an
+-- idempotency key (a row with a key has stored bytes: a retry sends the same bytes to the same
+-- address). Returns the ids changed.
+with old as materialized (
+    select l.id, l.user_id, l.campaign, l.email, l.email_key
+    from mail.send_log l
+    where l.id = any(%(ids)s::bigint[]) and l.status = 'pending' and l.kind = 'scheduled'
+      and l.idempotency_key is null
+), changed as (
+    update mail.send_log l
+    set email = r.email, email_key = r.email_key
+    from unnest(%(ids)s::bigint[], %(emails)s::text[], %(keys)s::text[]) as r(id, email, email_key)
+    join old o on o.id = r.id
+    where l.id = r.id and l.email is distinct from r.email
+    returning l.id, o.user_id, o.campaign, o.email as old_email, o.email_key as old_email_key,
+              r.email as new_email, r.email_key as new_email_key
+)
+insert into mail.address_change (send_log_id, user_id, campaign, old_email, old_email_key, new_email, new_email_key,
+                                 dag_id, run_id, task_id)
+select id, user_id, campaign, old_email, old_email_key, new_email, new_email_key, %(dag_id)s, %(run_id)s, %(task_id)s
+from changed
+returning send_log_id
+
 -- name: decide_rows
 -- Picked rows decided without a request, each with its reason (recorded on the row and its event):
 -- 'skipped' (the contact policy held it back and the campaign skips), 'failed' (invalid address:
