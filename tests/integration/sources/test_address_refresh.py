@@ -90,6 +90,18 @@ def test_a_suppressed_new_address_is_not_sent(rig: Rig) -> None:
                                                "gone.bad@example.org")]
 
 
+def test_a_user_whose_old_address_is_suppressed_is_sent_to_the_new_one(rig: Rig) -> None:
+    provisioned(rig, 3)
+    suppress_address(rig.db, "user1@example.com", source="bounce")  # the old address bounced ...
+    set_email(rig, 1, "fixed1@example.org")  # ... and the user gave a new one
+    suppress_address(rig.db, "user2@example.com", source="bounce")  # bounced, still the user's address
+    s = rig.dispatch()
+    assert (s.sent, s.suppressed, s.readdressed) == (2, 1, 1)
+    assert outbox_to(rig) == ["fixed1@example.org", "user3@example.com"]
+    assert (row_of(rig, 1)["status"], row_of(rig, 1)["email"]) == ("sent", "fixed1@example.org")
+    assert (row_of(rig, 2)["status"], row_of(rig, 2)["error"]) == ("cancelled", "suppressed before sending (address)")
+
+
 @pytest.mark.parametrize("on_policy", ["defer", "skip"])
 def test_a_new_address_inside_its_mailbox_cooldown_is_held_per_on_policy(rig: Rig, on_policy: str) -> None:
     provisioned(rig, 2, on_policy=on_policy)

@@ -115,8 +115,13 @@ where c.id = %(id)s
 -- rows after it are sent; a head made only of suppressed rows is cancelled 1,000 per claim.
 -- The locked id list is a MATERIALIZED CTE: evaluated once (an IN-subquery with FOR UPDATE can be
 -- rescanned per outer row, and a rescan skips the rows this statement already changed).
+-- The address is judged here only for rows that keep their snapshot (the uploaded list: recipients_sql
+-- null and recipients_table mail.campaign_recipient, claiming.UPLOADED_LIST). Every other row gets its
+-- user's current address at claim time, and the claim's guard checks the suppression of THAT address
+-- (a user whose old address bounced and who gave a new one is sent to the new one).
 with head as materialized (
-    select d.id, d.user_id, d.email_key, d.campaign
+    select d.id, d.user_id, case when c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient'
+                                 then d.email_key end as email_key, d.campaign
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
@@ -174,11 +179,14 @@ from p
 -- the same transaction. The database enforces two holds here, whatever the caller does: a campaign
 -- the reputation guard tripped (or any campaign while the account is tripped) is never picked, and
 -- a campaign with a canary that is not released yet gives only its canary rows (id <= canary_last_id;
--- none until provisioning fixed the canary).
+-- none until provisioning fixed the canary). Suppression of the row's address is checked here only
+-- for rows that keep their snapshot address (the uploaded list, as in cancel_suppressed_due); the
+-- others get their user's current address in the claim, whose guard checks that address.
 with pick as materialized (
     select d.campaign,
            case when c.canary_share is not null and c.canary_released_at is null
-                then coalesce(c.canary_last_id, 0) end as canary_last_id
+                then coalesce(c.canary_last_id, 0) end as canary_last_id,
+           c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient' as snapshot_only
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
@@ -188,8 +196,9 @@ with pick as materialized (
       and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-      and not exists (select 1 from mail.suppression s
-                      where s.email_key = d.email_key and s.scope in ('all', d.campaign))
+      and not (c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient'
+               and exists (select 1 from mail.suppression s
+                           where s.email_key = d.email_key and s.scope in ('all', d.campaign)))
     order by d.scheduled_at, d.id
     limit 1
     for update of d skip locked
@@ -201,8 +210,9 @@ with pick as materialized (
       and ((select canary_last_id from pick) is null or d.id <= (select canary_last_id from pick))
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-      and not exists (select 1 from mail.suppression s
-                      where s.email_key = d.email_key and s.scope in ('all', d.campaign))
+      and not ((select snapshot_only from pick)
+               and exists (select 1 from mail.suppression s
+                           where s.email_key = d.email_key and s.scope in ('all', d.campaign)))
     order by d.scheduled_at, d.id
     limit %(limit)s
     for update skip locked
