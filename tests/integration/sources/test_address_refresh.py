@@ -232,3 +232,17 @@ def test_the_address_lookup_reads_the_users_primary_key_on_the_demo_schema(rig: 
     expected = dict(rig.db.execute("select user_id, email from app.users where plan = 'free'"
                                    " and user_id = any(%s)", (user_ids,)).fetchall())
     assert found == {u: e.strip() or None for u, e in expected.items()} and 0 < len(found) < 100
+
+
+def test_a_claim_that_fails_after_the_refresh_rolls_the_address_change_back_too(rig: Rig) -> None:
+    cid = provisioned(rig, 2)
+    set_email(rig, 1, "new1@example.org")
+    rig.db.execute("delete from app.users where user_id = 2")
+    rig.db.execute("update mail.campaign set template = 'no_such_template' where id = %s", (cid,))
+    with pytest.raises(SendError, match="outreach_test: dispatch failed: TemplateNotFound"):
+        rig.dispatch()
+    # one transaction: the new address, its record and the gone user's skip went with the claim
+    assert [(r["status"], r["email"], r["error"]) for r in rig.rows()] == [
+        ("pending", "user1@example.com", None), ("pending", "user2@example.com", None)]
+    assert changes(rig) == []
+    assert rig.emulator.read_outbox() == []
