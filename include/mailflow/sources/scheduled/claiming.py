@@ -235,6 +235,7 @@ class Dispatcher:
             crow = self._campaign_row(str(picked[0][4]))
             # the address first: hygiene, suppression, mailbox cooldown and caps judge the one sent to
             picked, decided, readdressed = self.refresh_addresses(crow, picked)
+            gone = len(decided)  # so far only the rows whose recipient is gone
             decided.update(self._guard(crow, [r for r in picked if int(r[0]) not in decided]))
             if decided:
                 ScheduledStore(self.conn).decide_rows(
@@ -250,7 +251,6 @@ class Dispatcher:
             for st, _, _at in decided.values():
                 k = "deferred" if st == "pending" else st
                 counts[k] = counts.get(k, 0) + 1
-            gone = sum(1 for st, why, _at in decided.values() if st == "skipped" and why.startswith(GONE))
             if not found:
                 return suppressed + counts.pop("cancelled", 0), Claim(
                     self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts, readdressed, gone)
@@ -344,8 +344,9 @@ class Dispatcher:
         if new:
             changed = set(ScheduledStore(self.conn).readdress_rows(
                 self.who, list(new), list(new.values()), [mailbox_key(e) for e in new.values()]))
-            for rid in sorted(changed):
-                log.info("campaign %s: row %d re-addressed to the recipient's current address", c["name"], rid)
+            if changed:
+                log.info("campaign %s: %d row(s) re-addressed to the recipient's current address "
+                         "(mail.address_change): %s", c["name"], len(changed), sorted(changed))
         rows = [(r[0], r[1], new[int(r[0])], *r[3:]) if int(r[0]) in changed else r for r in picked]
         return rows, gone, len(changed)
 
