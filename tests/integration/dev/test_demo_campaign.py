@@ -81,3 +81,12 @@ def test_the_demo_campaign_is_not_held_by_the_cooldown_and_sends_within_minutes(
     assert ScheduledStore(db).current_addresses(source, [uid], c["name"], c["id"]) == {uid: email}
     later = db.execute("select now()").fetchone()[0]  # type: ignore[index]
     assert held_by_policy(db, [(uid, email)], later, [int(rows[0][0])]) == {uid}
+
+
+def test_the_demo_zone_starts_its_local_day_at_the_current_utc_hour() -> None:
+    from zoneinfo import ZoneInfo
+
+    for h in range(24):
+        now = datetime(2026, 12, 3, h, 37, tzinfo=ZoneInfo("UTC"))
+        local = now.astimezone(ZoneInfo(airflow_local.demo_zone(now)))
+        assert (local.hour, local.minute) == (0, 37), (h, airflow_local.demo_zone(now))
