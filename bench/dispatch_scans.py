@@ -53,8 +53,10 @@ returning send_log_id
 """
 
 LOAD = [
-    """insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)
-       values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')""",
+    # an uploaded list: the sweep judges its rows' addresses (a campaign with a recipients query has its
+    # addresses refreshed and judged by the claim's guard instead)
+    """insert into mail.campaign (name, status, template, subject, from_address, recipients_table)
+       values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'mail.campaign_recipient')""",
     # the backlog: every row due, oldest first
     """insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at, minted_at)
        select g, 'backlog', 'scheduled', 'user' || g || '@example.com', 'pending',

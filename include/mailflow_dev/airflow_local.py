@@ -497,10 +497,31 @@ def stop_group(pid: int, timeout: float = 45.0, first: signal.Signals = signal.S
     return how
 
 
+#: The demo campaign's pace: 3 emails a minute (a whole day's window, 1,440 minutes).
+DEMO_EMAILS_PER_DAY = 3 * 1440
+
+
+def demo_zone(now: datetime) -> str:
+    """The fixed-offset IANA zone whose local day starts at ``now``'s UTC hour (``UTC`` at 00:xx,
+    ``Etc/GMT+5`` at 05:xx = UTC-5, ``Etc/GMT-11`` at 13:xx = UTC+11): the planner spreads a day's
+    emails over what is left of its first local day, so in this zone nearly the whole day is left
+    and the pace is ``emails_per_day`` / 1,440 a minute from now on, whatever the hour."""
+    h = now.astimezone(UTC).hour
+    if h == 0:
+        return "UTC"
+    return f"Etc/GMT+{h}" if h <= 12 else f"Etc/GMT-{24 - h}"
+
+
 def _demo_campaign(dsn: str) -> None:
-    """A scheduled campaign (``demo_outreach``: the free-plan users, 600 a day from now, every day
-    08:00-20:00 UTC) so the progress page has a planned-versus-sent curve; created once. It sends
-    only when ``dispatch_scheduled_emails`` is unpaused."""
+    """A scheduled campaign (``demo_outreach``) so the progress page has a planned-versus-sent curve
+    that moves as soon as ``dispatch_scheduled_emails`` is unpaused; created once.
+
+    Audience: ``recipients/free_plan_not_recently_mailed.sql``, the free-plan users no other campaign
+    had mailed within the contact policy's cooldown when it was created (right after ``make demo``
+    about 82% of all free-plan users were, and the policy would defer their emails by a week: a
+    flat line). Plan: from now, every day, the whole day, 3 emails a minute
+    (:data:`DEMO_EMAILS_PER_DAY`), in the zone of :func:`demo_zone` so the first day is a whole day
+    whatever the hour (in UTC a campaign created at 23:00 would squeeze a day's emails into an hour)."""
     import psycopg
 
     from mailflow.sources import scheduled
@@ -509,12 +530,14 @@ def _demo_campaign(dsn: str) -> None:
         if conn.execute("select 1 from mail.campaign where name = %s", (DEMO_CAMPAIGN,)).fetchone():
             return
         conn.rollback()
+        now = datetime.now(UTC)
         cid = scheduled.create_campaign(conn, {
             "name": DEMO_CAMPAIGN, "template": "outreach", "subject": "{{ user.first_name or 'Hi' }}, new practice packs",
-            "from": "Practice Team <practice@mail.example.com>", "recipients_sql": "free_plan_users",
-            "timezone": "UTC", "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["08:00-20:00"], "emails_per_day": 600,
+            "from": "Practice Team <practice@mail.example.com>", "recipients_sql": "free_plan_not_recently_mailed",
+            "timezone": demo_zone(now), "weekdays": [1, 2, 3, 4, 5, 6, 7], "windows": ["00:00-24:00"],
+            "emails_per_day": DEMO_EMAILS_PER_DAY, "start_at": now,
         }, actor="make airflow")
-        scheduled.provision(conn, cid, now=datetime.now(UTC), chunk=5000)
+        scheduled.provision(conn, cid, now=now, chunk=5000)
 
 
 def up(port: int = 8080, timeout: float = 300.0) -> int:

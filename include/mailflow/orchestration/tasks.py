@@ -129,6 +129,16 @@ def send_log_connection() -> Any:
     return hook.get_conn()
 
 
+NO_DATA_INTERVAL = (
+    "this run has no data interval: it was triggered without a logical date (Airflow 3 gives such a run none). "
+    "Trigger it with a logical date in the UI or the REST API: the run covers the last complete hour before its "
+    "logical date (10:20 or 10:00 -> [09:00, 10:00)), or give data_interval_start/data_interval_end in the REST API; "
+    "for a past hour a backfill is clearer (a backfill's and a scheduled run's logical date is the interval's START). "
+    "docs/operations.md, 'Data intervals'")
+"""Why the lifecycle task refuses a run without a data interval, and how to trigger one (Airflow 3.3.2:
+``CronDataIntervalTimetable.infer_manual_data_interval``; the table in docs/operations.md)."""
+
+
 def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the lifecycle campaigns for the task's data interval; return per-campaign summaries.
 
@@ -146,8 +156,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
 
     params = context["params"]
     if context.get("data_interval_start") is None or context.get("data_interval_end") is None:
-        raise AirflowFailException("this run has no data interval (a manual run without a logical date): trigger it "
-                         "with a logical date, which for this interval timetable is the interval's END")
+        raise AirflowFailException(NO_DATA_INTERVAL)
     interval = DataInterval(context["data_interval_start"], context["data_interval_end"])
     ti = context["ti"]
     run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)

@@ -193,6 +193,23 @@ class ScheduledStore:
         """Lock up to ``limit`` due rows of one campaign, in send order."""
         return self._run("pick_due", {**who, "limit": limit}).fetchall()
 
+    def current_addresses(self, source: pgsql.Composable, user_ids: Sequence[int], campaign: str,
+                          campaign_id: int) -> dict[int, str | None]:
+        """The addresses the recipient ``source`` holds now for ``user_ids``: ``{user_id: address}``
+        (trimmed; None if null or blank). A user the source no longer returns is absent. One statement."""
+        stmt = pgsql.SQL(query("scheduled", "current_addresses")).format(source=source)
+        rows = self.conn.execute(stmt, {"user_ids": list(user_ids), "campaign": campaign,
+                                        "campaign_id": campaign_id}).fetchall()
+        return {int(uid): email for uid, email in rows}
+
+    def readdress_rows(self, who: Mapping[str, Any], ids: Sequence[int], emails: Sequence[str],
+                       keys: Sequence[str | None]) -> list[int]:
+        """Give row ``ids[i]`` the address ``emails[i]`` (mailbox key ``keys[i]``, None if invalid) and
+        record the change in ``mail.address_change``; only rows pending and never attempted (no
+        idempotency key) change. The ids changed."""
+        return [int(r[0]) for r in self._run("readdress_rows", {**who, "ids": list(ids), "emails": list(emails),
+                                                                 "keys": list(keys)}).fetchall()]
+
     def decide_rows(self, who: Mapping[str, Any], ids: Sequence[int], statuses: Sequence[str],
                     reasons: Sequence[str | None], ats: Sequence[datetime | None]) -> None:
         """Give row ``ids[i]`` the final ``statuses[i]`` with ``reasons[i]`` (held to ``ats[i]`` if deferred)."""

@@ -12,8 +12,10 @@ WHO = {"dag_id": "test", "run_id": "test", "task_id": "test"}
 
 
 def _backlog(db: psycopg.Connection, n: int) -> list[int]:
-    db.execute("insert into mail.campaign (name, status, template, subject, from_address, recipients_sql)"
-               " values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'free_plan_users.sql')")
+    # an uploaded list: its rows keep their address, so the sweep judges it (a campaign with a recipients
+    # query gets each user's current address at claim time, and the claim's guard judges that one)
+    db.execute("insert into mail.campaign (name, status, template, subject, from_address, recipients_table)"
+               " values ('backlog', 'scheduled', 'outreach', 'Hi', 'a@mail.example.com', 'mail.campaign_recipient')")
     return [r[0] for r in db.execute(
         "insert into mail.send_log (user_id, campaign, kind, email, email_key, status, scheduled_at)"
         " select g, 'backlog', 'scheduled', 'u' || g || '@example.com', 'u' || g || '@example.com', 'pending',"

@@ -1,5 +1,6 @@
 """Claiming due rows: one transaction picks one campaign's due rows (``FOR UPDATE SKIP LOCKED``),
-passes them through the contact guard (invalid, suppressed, duplicate; held rows deferred to the
+gives them the recipients' current addresses (:meth:`Dispatcher.refresh_addresses`), passes them
+through the contact guard (invalid, suppressed, duplicate; held rows deferred to the
 next planned slot, skipped, or sent anyway per ``on_policy``), renders and stores the batch; the
 dispatch call's state and counts (:class:`DispatchSummary`)."""
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import jinja2
 import psycopg
+from psycopg import sql as pgsql
 
 from mailflow.campaigns import Campaign, CampaignFolder, load_policy, scheduled_content_hash
 from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, RunContext
@@ -23,8 +25,12 @@ from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
 from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_send_times, plan_spec
+
+# the one definition of a campaign's recipient source (the file or the checked table), shared with
+# provisioning so the address at send time comes from exactly the query that chose the recipient
+from mailflow.sources.scheduled.provisioning import _recipient_source
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
-from mailflow.store.policy import Hold, evaluate, normalise_address
+from mailflow.store.policy import Hold, evaluate, mailbox_key, normalise_address
 from mailflow.store.scheduled import ScheduledStore
 from mailflow.store.send_log import PostgresStore
 from mailflow.store.sql import query
@@ -49,6 +55,10 @@ class DispatchSummary:
     skipped: int = 0
     invalid: int = 0
     duplicates: int = 0
+    #: rows given the recipient's new address at claim time (mail.address_change)
+    readdressed: int = 0
+    #: of ``skipped``: rows whose user the campaign's recipients no longer return (or return without an address)
+    gone: int = 0
     batches: int = 0
     idle_seconds: float = 0.0
     seconds: float = 0.0
@@ -67,6 +77,23 @@ class DispatchSummary:
         out["seconds"] = round(self.seconds, 3)
         return out
 
+
+#: The uploaded recipient list (``recipients_csv``): its rows are the snapshot itself, there is no
+#: newer source to read an address from, so its rows keep the address they were provisioned with.
+UPLOADED_LIST = "mail.campaign_recipient"
+
+
+def _same_address(old: str, new: str) -> bool:
+    """Whether two addresses are the same recipient address as sent: compared in the normalised
+    form the claim sends to (:func:`normalise_address`), or as trimmed text if either is invalid."""
+    a, b = normalise_address(old), normalise_address(new)
+    if a.valid and b.valid:
+        return a.send == b.send
+    return old.strip() == new.strip()
+
+
+#: How the reason of a row skipped because its recipient is gone starts.
+GONE = "recipient gone"
 
 #: How far ahead a deferral looks for a planned slot (days); the planner's own bound on days
 #: without window time.
@@ -137,6 +164,8 @@ class Claim:
     render_failed: int
     render_errors: list[str] = field(default_factory=list)
     decided: dict[str, int] = field(default_factory=dict)  # rows decided without a request, by status
+    readdressed: int = 0  # rows given the recipient's current address
+    gone: int = 0  # rows skipped because the recipient source no longer returns their user
 
 
 class Dispatcher:
@@ -157,6 +186,8 @@ class Dispatcher:
         self.policy: ContactPolicy = policy if policy is not None else load_policy(folder=self.folder)
         self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
         self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
+        # each campaign's recipient source, composed once per dispatch call (None: keep the snapshot)
+        self.sources: dict[str, pgsql.Composable | None] = {}
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -177,9 +208,11 @@ class Dispatcher:
         return self.campaigns[name]
 
     def claim(self) -> tuple[int, Claim | None]:
-        """Cancel suppressed due rows, pick one campaign's due rows, pass them through the contact
-        guard, claim the rest, render and store the batch: one transaction (a crash leaves either
-        pending rows or sending rows with their bytes).
+        """Cancel suppressed due rows, pick one campaign's due rows, give them the recipients'
+        current addresses (:meth:`refresh_addresses`: a user the campaign's recipients no longer
+        return is ``skipped``), pass them through the contact guard, claim the rest, render and
+        store the batch: one transaction (a crash leaves either pending rows or sending rows with
+        their bytes).
 
         The guard (docs/model.md, "The contact policy"): each address is normalised (invalid: the
         row fails with the validator's reason, no request; suppressed as normalised: cancelled; a
@@ -200,7 +233,10 @@ class Dispatcher:
                 return suppressed, None
             self.claiming = str(picked[0][4])  # the campaign at fault if what follows raises
             crow = self._campaign_row(str(picked[0][4]))
-            decided = self._guard(crow, picked)
+            # the address first: hygiene, suppression, mailbox cooldown and caps judge the one sent to
+            picked, decided, readdressed = self.refresh_addresses(crow, picked)
+            gone = len(decided)  # so far only the rows whose recipient is gone
+            decided.update(self._guard(crow, [r for r in picked if int(r[0]) not in decided]))
             if decided:
                 ScheduledStore(self.conn).decide_rows(
                     self.who, list(decided), [d[0] for d in decided.values()],
@@ -217,7 +253,7 @@ class Dispatcher:
                 counts[k] = counts.get(k, 0) + 1
             if not found:
                 return suppressed + counts.pop("cancelled", 0), Claim(
-                    self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts)
+                    self._campaign(str(picked[0][4])), (), {}, None, 0, [], counts, readdressed, gone)
             suppressed += counts.pop("cancelled", 0)
             campaign = self._campaign(str(found[0][4]))
             rows = tuple(MintedRow(id=r[0], user_id=r[1], email=r[2], context=r[3] or {}) for r in found)
@@ -246,7 +282,8 @@ class Dispatcher:
         if bad:
             log.error("%s: %d email(s) failed to render, marked failed: %s", campaign.name, len(bad),
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
-        return suppressed, Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts)
+        return suppressed, Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts,
+                                 readdressed, gone)
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:
@@ -255,6 +292,63 @@ class Dispatcher:
                 raise LookupError(f"campaign {name!r} vanished from mail.campaign")
             self.campaign_rows[name] = c
         return self.campaign_rows[name]
+
+    def _address_source(self, c: Mapping[str, Any]) -> pgsql.Composable | None:
+        """The campaign's recipient source to read current addresses from (composed once per call),
+        or None for the uploaded list (:data:`UPLOADED_LIST`: no newer source; keep the snapshot)."""
+        name = str(c["name"])
+        if name not in self.sources:
+            uploaded = not c["recipients_sql"] and str(c["recipients_table"] or "") == UPLOADED_LIST
+            self.sources[name] = None if uploaded else _recipient_source(self.conn, c, self.folder)
+        return self.sources[name]
+
+    def refresh_addresses(self, c: Mapping[str, Any], picked: Sequence[Any]) -> tuple[
+            list[Any], dict[int, tuple[str, str, datetime | None]], int]:
+        """Give picked rows ``(id, user_id, email, context, campaign, attempts, scheduled_at)`` of
+        campaign row ``c`` their users' addresses now, in the claim transaction, before the contact
+        guard and before any bytes or key exist for them (docs/model.md, "The address at send time").
+
+        One statement reads the claimed users' addresses from the campaign's recipient source (its
+        recipients SQL file or table, restricted to these user_ids). A row whose address changed
+        gets the new one and its mailbox key, and the change (old and new) is recorded in
+        ``mail.address_change`` (``ScheduledStore.readdress_rows``: only rows never attempted, so a
+        row with an idempotency key keeps its address and bytes). A user the source no longer returns
+        (deleted, or no longer matching the campaign's query), or returns without an address, is
+        not sent to: the row is decided ``skipped`` with the reason (starting with :data:`GONE`);
+        the source decides who is a recipient, and mailing someone it no longer selects (e.g. a
+        user who left the free plan) is the mistake that cannot be taken back. Rows of the uploaded
+        list (:data:`UPLOADED_LIST`) keep their address.
+
+        Returns ``(picked rows with the addresses to use, {id: ("skipped", reason, None)} for rows
+        whose user is gone, rows re-addressed)``.
+        """
+        source = self._address_source(c)
+        if source is None:
+            return list(picked), {}, 0
+        current = ScheduledStore(self.conn).current_addresses(
+            source, sorted({int(r[1]) for r in picked}), str(c["name"]), int(c["id"]))
+        label = c["recipients_sql"] or c["recipients_table"]
+        gone: dict[int, tuple[str, str, datetime | None]] = {}
+        new: dict[int, str] = {}
+        for r in picked:
+            rid, uid = int(r[0]), int(r[1])
+            if uid not in current:
+                gone[rid] = ("skipped", f"{GONE}: user {uid} is no longer returned by the campaign's recipients "
+                                        f"({label}) at send time: skipped, not sent", None)
+            elif current[uid] is None:
+                gone[rid] = ("skipped", f"{GONE}: the campaign's recipients ({label}) return user {uid} without "
+                                        "an address at send time: skipped, not sent", None)
+            elif not _same_address(str(r[2]), str(current[uid])):
+                new[rid] = str(current[uid])
+        changed: set[int] = set()
+        if new:
+            changed = set(ScheduledStore(self.conn).readdress_rows(
+                self.who, list(new), list(new.values()), [mailbox_key(e) for e in new.values()]))
+            if changed:
+                log.info("campaign %s: %d row(s) re-addressed to the recipient's current address "
+                         "(mail.address_change): %s", c["name"], len(changed), sorted(changed))
+        rows = [(r[0], r[1], new[int(r[0])], *r[3:]) if int(r[0]) in changed else r for r in picked]
+        return rows, gone, len(changed)
 
     def _guard(self, c: Mapping[str, Any], picked: Sequence[Any]) -> dict[int, tuple[str, str, datetime | None]]:
         """The contact guard for picked rows ``(id, user_id, email, context, campaign, attempts,

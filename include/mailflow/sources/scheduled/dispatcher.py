@@ -74,7 +74,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     return (the next run takes it: the worker slot is not held idle); if it is ahead, sleep (at
     most ``poll_seconds`` s at a time); otherwise cancel suppressed due rows, claim up to
     ``batch_size`` due rows of one campaign (``FOR UPDATE SKIP LOCKED``: concurrent dispatchers
-    never share a row and never wait on each other), render them, store the batch, send it with
+    never share a row and never wait on each other), give them the recipients' current addresses
+    from the campaign's recipient source (:meth:`Dispatcher.refresh_addresses`: a user it no longer
+    returns is ``skipped``; the contact policy and the address checks then judge the new address), render them, store the batch, send it with
     ``provider.send_batch(batch, deadline)`` and apply the outcome by index with
     ``PostgresStore.apply`` (docs/model.md: a request proven not processed returns its rows to
     ``pending`` without charging them and stops the run; rows of an ambiguous request keep their
@@ -226,6 +228,8 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
             summary.skipped += claim.decided.get("skipped", 0)
             summary.invalid += claim.decided.get("failed", 0)
             summary.duplicates += claim.decided.get("duplicate", 0)
+            summary.readdressed += claim.readdressed
+            summary.gone += claim.gone
             summary.render_failed += claim.render_failed
             if claim.render_failed:
                 fatal.append(f"{claim.campaign.name}: {claim.render_failed} email(s) could not be rendered and "

@@ -151,8 +151,13 @@ where c.id = %(id)s
 -- rows after it are sent; a head made only of suppressed rows is cancelled 1,000 per claim.
 -- The locked id list is a MATERIALIZED CTE: evaluated once (an IN-subquery with FOR UPDATE can be
 -- rescanned per outer row, and a rescan skips the rows this statement already changed).
+-- The address is judged here only for rows that keep their snapshot (the uploaded list: recipients_sql
+-- null and recipients_table mail.campaign_recipient, claiming.UPLOADED_LIST). Every other row gets its
+-- user's current address at claim time, and the claim's guard checks the suppression of THAT address
+-- (a user whose old address bounced and who gave a new one is sent to the new one).
 with head as materialized (
-    select d.id, d.user_id, d.email_key, d.campaign
+    select d.id, d.user_id, case when c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient'
+                                 then d.email_key end as email_key, d.campaign
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
@@ -210,11 +215,14 @@ from p
 -- the same transaction. The database enforces two holds here, whatever the caller does: a campaign
 -- the reputation guard tripped (or any campaign while the account is tripped) is never picked, and
 -- a campaign with a canary that is not released yet gives only its canary rows (id <= canary_last_id;
--- none until provisioning fixed the canary).
+-- none until provisioning fixed the canary). Suppression of the row's address is checked here only
+-- for rows that keep their snapshot address (the uploaded list, as in cancel_suppressed_due); the
+-- others get their user's current address in the claim, whose guard checks that address.
 with pick as materialized (
     select d.campaign,
            case when c.canary_share is not null and c.canary_released_at is null
-                then coalesce(c.canary_last_id, 0) end as canary_last_id
+                then coalesce(c.canary_last_id, 0) end as canary_last_id,
+           c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient' as snapshot_only
     from mail.send_log d
     join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
@@ -224,8 +232,9 @@ with pick as materialized (
       and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-      and not exists (select 1 from mail.suppression s
-                      where s.email_key = d.email_key and s.scope in ('all', d.campaign))
+      and not (c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient'
+               and exists (select 1 from mail.suppression s
+                           where s.email_key = d.email_key and s.scope in ('all', d.campaign)))
     order by d.scheduled_at, d.id
     limit 1
     for update of d skip locked
@@ -237,8 +246,9 @@ with pick as materialized (
       and ((select canary_last_id from pick) is null or d.id <= (select canary_last_id from pick))
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
-      and not exists (select 1 from mail.suppression s
-                      where s.email_key = d.email_key and s.scope in ('all', d.campaign))
+      and not ((select snapshot_only from pick)
+               and exists (select 1 from mail.suppression s
+                           where s.email_key = d.email_key and s.scope in ('all', d.campaign)))
     order by d.scheduled_at, d.id
     limit %(limit)s
     for update skip locked
@@ -262,6 +272,45 @@ with claimed as (
     select id, 'pending', 'sending', attempts, %(dag_id)s, %(run_id)s, %(task_id)s from claimed
 )
 select id, user_id, email, context, campaign, attempts from claimed order by scheduled_at, id
+
+-- name: current_addresses
+-- The claimed users' addresses now, from the campaign's recipient source (its recipients SQL file
+-- or table, composed as SQL / an identifier, never from input), restricted to the claimed user_ids:
+-- one set-based statement per claim. The restriction is pushed into the source (a plain select of
+-- app.users reads its primary key per user). A user the source returns twice gets one address
+-- (the smallest, so the choice is stable); an address that is null or blank is returned as null.
+select distinct on (r.user_id) r.user_id, nullif(btrim(r.email::text), '') as email
+from (
+{source}
+) as r
+where r.user_id = any(%(user_ids)s::bigint[])
+order by r.user_id, nullif(btrim(r.email::text), '') nulls last
+
+-- name: readdress_rows
+-- Give picked rows (locked by pick_due) the address the recipient source has now, with its mailbox
+-- key, and record each change in mail.address_change (old and new), in one statement of the claim's
+-- transaction. Only a row never attempted is re-addressed: still pending, kind scheduled, without an
+-- idempotency key (a row with a key has stored bytes: a retry sends the same bytes to the same
+-- address). Returns the ids changed.
+with old as materialized (
+    select l.id, l.user_id, l.campaign, l.email, l.email_key
+    from mail.send_log l
+    where l.id = any(%(ids)s::bigint[]) and l.status = 'pending' and l.kind = 'scheduled'
+      and l.idempotency_key is null
+), changed as (
+    update mail.send_log l
+    set email = r.email, email_key = r.email_key
+    from unnest(%(ids)s::bigint[], %(emails)s::text[], %(keys)s::text[]) as r(id, email, email_key)
+    join old o on o.id = r.id
+    where l.id = r.id and l.email is distinct from r.email
+    returning l.id, o.user_id, o.campaign, o.email as old_email, o.email_key as old_email_key,
+              r.email as new_email, r.email_key as new_email_key
+)
+insert into mail.address_change (send_log_id, user_id, campaign, old_email, old_email_key, new_email, new_email_key,
+                                 dag_id, run_id, task_id)
+select id, user_id, campaign, old_email, old_email_key, new_email, new_email_key, %(dag_id)s, %(run_id)s, %(task_id)s
+from changed
+returning send_log_id
 
 -- name: decide_rows
 -- Picked rows decided without a request, each with its reason (recorded on the row and its event):
