@@ -16,7 +16,7 @@ from send_log_demo import current_hour, lifecycle_run_context, run_lifecycle_onc
 
 from mailflow.campaigns import CampaignFolder, load_policy
 from mailflow.emulator.testing import EmulatorProcess
-from mailflow.sources.scheduled.provisioning import _recipient_source
+from mailflow.sources.scheduled.provisioning import recipient_source
 from mailflow.store.contact_guard import load_contacts
 from mailflow.store.policy import evaluate, mailbox_key
 from mailflow.store.scheduled import ScheduledStore
@@ -77,7 +77,7 @@ def test_the_demo_campaign_is_not_held_by_the_cooldown_and_sends_within_minutes(
                " values (%s, 'practice_tips', 'lifecycle', %s, 'sent', now(), 'p-later')", (uid, email))
     c = ScheduledStore(db).campaign_by_name(airflow_local.DEMO_CAMPAIGN)
     assert c is not None
-    source = _recipient_source(db, c, CampaignFolder.resolve())
+    source = recipient_source(db, c, CampaignFolder.resolve())
     assert ScheduledStore(db).current_addresses(source, [uid], c["name"], c["id"]) == {uid: email}
     later = db.execute("select now()").fetchone()[0]  # type: ignore[index]
     assert held_by_policy(db, [(uid, email)], later, [int(rows[0][0])]) == {uid}

@@ -25,7 +25,7 @@ from mailflow.campaigns import CampaignFolder
 from mailflow.model.outcome import SendError
 from mailflow.provider.client import RetryPolicy
 from mailflow.reconciler import reconcile
-from mailflow.sources.scheduled.provisioning import _recipient_source
+from mailflow.sources.scheduled.provisioning import recipient_source
 from mailflow.store.scheduled import ScheduledStore
 from mailflow.store.sql import query
 from mailflow.store.suppression import suppress_address
@@ -217,7 +217,7 @@ def test_the_address_lookup_reads_the_users_primary_key_on_the_demo_schema(rig: 
     load_demo_data(rig.db, users=5000, anchor=db_now(rig.db), reset=True)
     cid = rig.campaign(**ALL_DAY)
     c = rig.campaign_row(cid)
-    source = _recipient_source(rig.db, c, CampaignFolder.resolve())
+    source = recipient_source(rig.db, c, CampaignFolder.resolve())
     stmt = pgsql.SQL("explain (format json) " + query("scheduled", "current_addresses")).format(source=source)
     user_ids = list(range(1, 5001, 50))  # 100 users: one claim's batch
     [[plan]] = rig.db.execute(stmt, {"user_ids": user_ids, "campaign": c["name"], "campaign_id": cid}).fetchone()

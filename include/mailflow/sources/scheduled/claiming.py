@@ -28,7 +28,7 @@ from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_s
 
 # the one definition of a campaign's recipient source (the file or the checked table), shared with
 # provisioning so the address at send time comes from exactly the query that chose the recipient
-from mailflow.sources.scheduled.provisioning import _recipient_source
+from mailflow.sources.scheduled.provisioning import recipient_source
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
 from mailflow.store.policy import Hold, evaluate, mailbox_key, normalise_address
 from mailflow.store.scheduled import ScheduledStore
@@ -299,7 +299,7 @@ class Dispatcher:
         name = str(c["name"])
         if name not in self.sources:
             uploaded = not c["recipients_sql"] and str(c["recipients_table"] or "") == UPLOADED_LIST
-            self.sources[name] = None if uploaded else _recipient_source(self.conn, c, self.folder)
+            self.sources[name] = None if uploaded else recipient_source(self.conn, c, self.folder)
         return self.sources[name]
 
     def refresh_addresses(self, c: Mapping[str, Any], picked: Sequence[Any]) -> tuple[

@@ -107,7 +107,7 @@ class ProvisionSummary:
             self.holidays_skipped = holidays_skipped(spec, plan_day(spec, planned_from), plan_day(spec, self.last_send))
 
 
-def _recipient_source(conn: psycopg.Connection, c: Mapping[str, Any], folder: CampaignFolder) -> pgsql.Composable:
+def recipient_source(conn: psycopg.Connection, c: Mapping[str, Any], folder: CampaignFolder) -> pgsql.Composable:
     """The campaign's recipient query (trusted: a version-controlled file, or a checked table name)."""
     if c["recipients_sql"]:
         text = recipients_file(str(c["recipients_sql"]), c["name"], folder).read_text(encoding="utf-8")
@@ -201,7 +201,7 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 check_campaign_templates(c["name"], c["subject"], c["template"], folder.templates_dir)
                 subject_t = subject_template(c["subject"])
             plan_start = c["plan_start"] or max(c["start_at"], now)
-            source = _recipient_source(conn, c, folder)
+            source = recipient_source(conn, c, folder)
             after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
             page = ScheduledStore(conn).recipients_page(source, after, chunk, c["name"], campaign_id)
             current = c["status"]
@@ -292,7 +292,7 @@ def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary:
         spec = plan_spec(c)
         check_templates(c["template"], c["name"], folder)
         after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
-        remaining = ScheduledStore(conn).recipients_count(_recipient_source(conn, c, folder), after, c["name"], campaign_id)
+        remaining = ScheduledStore(conn).recipients_count(recipient_source(conn, c, folder), after, c["name"], campaign_id)
     plan_start = c["plan_start"] or max(c["start_at"], now)
     planned_from = c["planned_through"] or plan_start
     times = list(plan_after(spec, plan_start, int(c["plan_skip"]), c["planned_through"], remaining))
