@@ -96,3 +96,22 @@ def test_no_argparse_program_is_left_in_the_product() -> None:
     users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "include" / "mailflow").rglob("*.py")
                    if re.search(r"^\s*(import argparse|from argparse import)", p.read_text(), re.M))
     assert users == []
+
+
+@pytest.mark.parametrize(("group", "dsn_env", "secret_env"), [
+    ("webhooks", "MAILFLOW_WEBHOOK_DSN", "MAILFLOW_WEBHOOK_SECRETS"),
+    ("unsubscribe", "MAILFLOW_UNSUBSCRIBE_DSN", "MAILFLOW_UNSUBSCRIBE_SECRET"),
+])
+def test_the_servers_take_the_dsn_from_mailflow_and_need_their_secret(
+        group: str, dsn_env: str, secret_env: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("MAILFLOW_DSN", dsn_env, secret_env, "AIRFLOW_CONN_MAIL_WEBHOOK", "AIRFLOW_CONN_MAIL_UNSUBSCRIBE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main([group, "serve"])
+    assert exc.value.code == 2
+    assert f"--dsn, {dsn_env} or MAILFLOW_DSN is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # `mailflow --dsn` reaches the server: next it asks for the secret
+        main(["--dsn", "postgresql://db.invalid/mailflow", group, "serve"])
+    assert exc.value.code == 2
+    assert secret_env in capsys.readouterr().err
