@@ -134,7 +134,9 @@ def test_update_hands_the_spec_to_update_draft(db: psycopg.Connection, db_dsn: s
     _json(capsys, ["campaign", "create", str(spec_file), "--dsn", db_dsn])
     calls: list[tuple[str, dict[str, Any], str | None]] = []
 
-    def update_draft(conn: psycopg.Connection, name: str, spec: dict[str, Any], actor: str | None = None) -> None:
+    def update_draft(conn: psycopg.Connection, name: str, spec: dict[str, Any], *, actor: str | None = None,
+                     base_dir: Path | None = None) -> None:
+        assert base_dir == spec_file.parent  # a recipients_csv is relative to the spec file
         calls.append((name, spec, actor))
         conn.execute("update mail.campaign set subject = %s where name = %s", (spec["subject"], name))
 

@@ -141,6 +141,8 @@ def _weekdays(_ctx: click.Context, _param: click.Parameter, value: str | None) -
 @click.option("--start-at", metavar="ISO", help="first possible send, ISO 8601 with an offset (default: now)")
 @click.option("--marketing/--transactional", default=None, help="marketing mail (default) or transactional")
 @click.option("--on-policy", type=click.Choice(["defer", "skip", "ignore"]))
+@click.option("--holidays", metavar="CODE", help="skip the public holidays of this country or region (DE, DE-BY)")
+@click.option("--holdout-share", type=float, help="share of recipients held out as a control group (0.1)")
 @click.option("--canary-share", type=float)
 @click.option("--canary-min-outcome-share", type=float)
 @click.option("--canary-max-wait-minutes", type=float)
@@ -169,24 +171,27 @@ def create_command(conn: psycopg.Connection, actor: str | None, spec: Path | Non
 
 @campaign.command("update")
 @click.argument("spec", type=click.Path(path_type=Path))
+@click.option("--name", help="the draft to update (default: the spec's name; a draft keeps its name)")
 @dsn_option
 @actor_option
 @_json_command
-def update_command(conn: psycopg.Connection, actor: str | None, spec: Path) -> Any:
-    """Replace a draft campaign's definition with SPEC (the campaign is the spec's ``name``); a
-    campaign that left ``draft`` is refused. Prints its status."""
+def update_command(conn: psycopg.Connection, actor: str | None, spec: Path, name: str | None) -> Any:
+    """Replace a draft campaign's whole definition with SPEC; a campaign that left ``draft`` is
+    refused (pause or cancel it instead). Prints its status."""
     from mailflow.sources.scheduled import spec as spec_module
 
     data = load_spec(spec)
-    name = str(data.get("name") or "")
+    name = name or str(data.get("name") or "")
+    if not name:
+        raise ValueError(f"{spec}: no name: give the spec a name or pass --name")
     cid = _campaign_id(conn, name)
-    # mailflow.sources.scheduled.spec.update_draft comes with the draft-editing model; until a build
-    # has it, this command says so instead of writing anything
+    # mailflow.sources.scheduled.spec.update_draft comes with the draft-editing model; a build
+    # without it says so instead of writing anything
     update_draft = getattr(spec_module, "update_draft", None)
     if update_draft is None:
         raise LookupError("this build cannot update a draft (mailflow.sources.scheduled.spec.update_draft is "
                           "missing); cancel the draft and create it again")
-    update_draft(conn, name, data, actor=actor)
+    update_draft(conn, name, data, actor=actor, base_dir=spec.parent)
     return status(conn, cid)
 
 
