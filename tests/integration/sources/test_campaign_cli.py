@@ -167,3 +167,17 @@ def test_the_deprecated_module_runs_the_same_commands(db: psycopg.Connection, db
     assert json.loads(capsys.readouterr().out)["name"] == name
     assert scheduled.main(["--dsn", db_dsn, "status", "x"]) == 2
     assert capsys.readouterr().err == "error: LookupError: no campaign named 'x'\n"
+
+
+@pytest.mark.skipif(not hasattr(spec_module, "update_draft"), reason="update_draft is not in this build")
+def test_update_replaces_a_drafts_definition_and_refuses_a_provisioned_one(
+        db: psycopg.Connection, db_dsn: str, spec_file: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _users(db, 2)
+    dsn = ["--dsn", db_dsn]
+    _json(capsys, ["campaign", "create", str(spec_file), *dsn])
+    spec_file.write_text(SPEC.replace("NAME", name).replace("emails_per_day = 1000", "emails_per_day = 40"))
+    updated = _json(capsys, ["campaign", "update", str(spec_file), "--actor", "ed", *dsn])
+    assert (updated["name"], updated["status"], updated["emails_per_day"]) == (name, "draft", 40)
+    _json(capsys, ["campaign", "provision", name, *dsn])
+    assert mailflow(["campaign", "update", str(spec_file), *dsn]) == 2
+    assert "only a draft's definition can be replaced" in capsys.readouterr().err
