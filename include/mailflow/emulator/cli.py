@@ -5,7 +5,7 @@ Binds the socket first (``--port 0`` picks a free port), prints exactly one line
 ``mailflow-emulator listening on http://HOST:PORT`` to stdout, then serves with uvicorn
 (single process, async). Stop it with SIGINT/SIGTERM. The command lives here, with the emulator,
 because the emulator stands alone (it imports nothing of the product); ``mailflow.cli`` mounts it
-as ``mailflow emulator`` and ``python -m mailflow.emulator`` runs it too.
+as ``mailflow emulator`` and ``python -m mailflow.emulator`` (deprecated) runs it too.
 """
 
 from __future__ import annotations
