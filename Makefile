@@ -52,7 +52,7 @@ stop: venv       ## stop `make airflow` (SIGINT to airflow standalone, then the 
 
 emulator: venv   ## the Resend-compatible emulator in the foreground on port 8025; accepts API key re_test_emulator (EMULATOR_ARGS="--api-key re_...")
 	@echo "emulator: http://127.0.0.1:8025, API key re_test_emulator (Authorization: Bearer re_test_emulator)"
-	$(PY) -m mailflow.emulator --port 8025 --outbox .demo/emulator-outbox.jsonl --control $(EMULATOR_ARGS)
+	$(VENV)/bin/mailflow emulator --port 8025 --outbox .demo/emulator-outbox.jsonl --control $(EMULATOR_ARGS)
 
 clean: stop      ## remove the demo state (.demo: embedded database, outbox, Airflow home)
 	rm -rf .demo

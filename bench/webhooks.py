@@ -1,7 +1,7 @@
 """Webhook feedback: ingestion throughput and outcome coverage.
 
-**Ingestion** (``webhook_ingest_*``): one standalone receiver process, as deployed (``python -m
-mailflow.feedback.webhooks --port P --dsn DSN``, the signing secret in ``MAILFLOW_WEBHOOK_SECRETS``),
+**Ingestion** (``webhook_ingest_*``): one standalone receiver process, as deployed (``mailflow
+webhooks serve --port P --dsn DSN``, the signing secret in ``MAILFLOW_WEBHOOK_SECRETS``),
 on a scratch database of the bench's PostgreSQL whose send log holds the emails the events refer to
 (``sent`` rows with provider ids). A load generator in another process (:mod:`bench.webhook_load`:
 asyncio over ``CONNECTIONS`` keep-alive connections, requests built and signed with

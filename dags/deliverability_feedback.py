@@ -2,7 +2,7 @@
 ### deliverability_feedback
 
 Outcomes (delivered, bounced, complained, opened, ...) arrive as signed webhooks at the receiver
-(`/mailflow-webhooks/resend` in the API server, or `python -m mailflow.feedback.webhooks`; docs/feedback.md),
+(`/mailflow-webhooks/resend` in the API server, or `mailflow webhooks serve`; docs/feedback.md),
 which stores and applies them at once: hard bounces and complaints are suppressed within seconds. Every
 30 minutes this DAG does what the receiver cannot do alone:
 

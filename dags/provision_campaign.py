@@ -13,7 +13,7 @@ weekdays, local business-hour windows, start). Triggered by hand with the campai
 * `dry_run`: nothing is written; the task logs and returns the plan summary (first and last send,
   emails per day, days spanned).
 * A draft campaign becomes `scheduled` with its first chunk; `dispatch_scheduled_emails` sends rows
-  as they fall due. Create campaigns with `python -m mailflow.sources.scheduled create SPEC.toml`.
+  as they fall due. Create campaigns with `mailflow campaign create SPEC.toml`.
 * Templates and recipients files come from the campaigns folder (`campaigns/` next to this file,
   `MAILFLOW_CAMPAIGNS_DIR`, or the packaged examples); its templates are checked when this file is
   parsed (a bad one is an import error naming the file).

@@ -3,7 +3,7 @@
 0. one demo at a time: a second one refuses with one line (or waits, ``--wait SECONDS``);
 1. a PostgreSQL for the send log: ``AIRFLOW_CONN_SEND_LOG_DB`` if set, else the embedded server
    (``.demo/pgdata``, Unix socket only); database ``mailflow_demo``;
-2. the webhook receiver (``python -m mailflow.feedback.webhooks``) on a free port against that
+2. the webhook receiver (``mailflow webhooks serve``) on a free port against that
    database, with a signing secret generated once into ``.demo/webhook.secret``;
 3. the Resend-compatible emulator on a free port, cap 10 requests/s, pushing each accepted email's
    lifecycle to the receiver as signed webhooks (seeded rates: a few % bounces, a complaint or two,

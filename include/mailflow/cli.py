@@ -1,7 +1,8 @@
-"""``mailflow`` command line: migrate, report, audit (send log vs. the emulator outbox).
+"""The ``mailflow`` command: everything a person does outside Airflow (``mailflow --help``).
 
-Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
+The send log (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
 
+\b
     mailflow migrate --dsn postgresql://...    # apply pending migrations (the deploy's migrate step)
     mailflow migrate --check --dsn ...         # exit 1 and name them if any are pending
     mailflow report  --dsn ...                 # per-campaign counts by state
@@ -15,24 +16,45 @@ Usage (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
     mailflow reputation status                                         # the reputation guard's scopes
     mailflow reputation resume (--campaign NAME | --account NAME) --reason TEXT [--by NAME]
+
+Scheduled campaigns (JSON output; NAME is a campaign's name or id)::
+
+\b
+    mailflow campaign create SPEC.toml | --name N --template T --subject S --from A --recipients-sql F
+    mailflow campaign update SPEC.toml                 # a draft's definition
+    mailflow campaign provision NAME [--dry-run] [--chunk N]
+    mailflow campaign pause|resume|cancel|status NAME
+    mailflow campaign complete [NAME]
+
+Servers (each until SIGINT/SIGTERM)::
+
+\b
+    mailflow unsubscribe serve [--port 8090]   # the one-click unsubscribe endpoint, standalone
+    mailflow webhooks serve [--port 8091]      # the provider's webhook receiver, standalone
+    mailflow emulator [--port 8025]            # the Resend-compatible emulator (test double, demo)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import wraps
 from pathlib import Path
 from typing import Any
 
+import click
 import psycopg
 
+from mailflow.feedback.unsubscribe_app import serve_command as unsubscribe_serve
+from mailflow.feedback.webhooks import serve_command as webhooks_serve
 from mailflow.model.tally import COLUMNS as TALLY_COLUMNS
+from mailflow.sources.scheduled.cli import campaign, dsn_of, dsn_option, run
 from mailflow.store.sql import query
 
 #: The report's columns: the campaign, then every summary's columns (mailflow.model.tally.COLUMNS).
@@ -179,156 +201,182 @@ def decide_dead_letters(conn: psycopg.Connection, decision: str, ids: list[int],
     return sorted(int(r[0]) for r in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mailflow`` command."""
-    p = argparse.ArgumentParser(prog="mailflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dsn", default=os.environ.get("MAILFLOW_DSN"), help="send-log database (or MAILFLOW_DSN)")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsn", default=argparse.SUPPRESS, help="send-log database (or MAILFLOW_DSN)")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("migrate", help="apply pending migrations under the migration lock (docs/operations.md, "
-                       "'Upgrading')", parents=[common])
-    m.add_argument("--check", action="store_true", help="apply nothing; exit 1 if migrations are pending")
-    m.add_argument("--backfill", action="store_true",
-                   help="after applying what is pending, run the backfill steps of the applied migrations again "
-                   "(idempotent: keys what workers of the previous release wrote during a rolling deploy)")
-    m.add_argument("--lock-timeout", type=float, default=1.0,
-                   help="seconds a transactional migration waits for a table lock before retrying (default 1)")
-    sub.add_parser("report", help="per-campaign counts by state", parents=[common])
-    sub.add_parser("outcomes", help="per-campaign outcomes the provider reported: delivered, bounces, complaints, "
-                   "opens, clicks and their rates (mail.campaign_outcomes; docs/send_log.md)", parents=[common])
-    a = sub.add_parser("audit", help="compare the send log with an outbox file; exit 1 on any violation",
-                       parents=[common])
-    a.add_argument("--outbox", type=Path, required=True)
-    sub.add_parser("keys", help="batches with rows still sending, per API key identity: which keys a resend still "
-                   "needs (docs/operations.md, 'Rotating the API key')", parents=[common])
-    dl = sub.add_parser("dead-letters", help="list dead letters, or record a person's decision on them "
-                        "(docs/operations.md, 'Dead letters')", parents=[common])
-    dl.add_argument("action", choices=("list", "resend", "close"))
-    which = dl.add_mutually_exclusive_group()
-    which.add_argument("--ids", type=_id_list, help="comma-separated send-log ids (each must be an undecided "
-                       "dead letter, of --campaign if given: exit 1 naming any that is not)")
-    which.add_argument("--all", action="store_true", help="every undecided dead letter (of --campaign, if given)")
-    dl.add_argument("--campaign", help="only this campaign")
-    dl.add_argument("--by", default="", help="who decides (recorded on the rows and events)")
-    dl.add_argument("--reason", default="", help="why (recorded on the rows and events)")
-    dl.add_argument("--accept-duplicate-risk", action="store_true",
-                    help="resend: the provider may have delivered the old key; a user may get the email twice")
-    br = sub.add_parser("breaker", help="the providers' circuit breakers (docs/operations.md, 'Circuit breaker')",
-                        parents=[common])
-    br.add_argument("--close", metavar="ACCOUNT", help="close this account's breaker by hand (the provider is back)")
-    br.add_argument("--by", default="", help="who closes it")
-    r = sub.add_parser("reopen-refused", parents=[common],
-                       help="re-open rows the provider rejected for a field of the campaign (e.g. `from`), "
-                            "not of the recipient (docs/operations.md); counts only without --apply")
-    r.add_argument("--campaign", required=True)
-    r.add_argument("--field", default=None, type=str.lower,
-                   help="only rows whose error names this campaign field (any case)")
-    r.add_argument("--apply", action="store_true", help="change the rows (default: count only)")
-    rp = sub.add_parser("reputation", parents=[common],
-                        help="the reputation guard: status, or resume a tripped campaign or account (a person's "
-                             "decision; docs/operations.md, 'Reputation guard')")
-    rp.add_argument("action", choices=("status", "resume"))
-    scope = rp.add_mutually_exclusive_group()
-    scope.add_argument("--campaign", help="resume this campaign")
-    scope.add_argument("--account", help="resume the provider account (every campaign)")
-    rp.add_argument("--reason", default="", help="why it is safe to send again (required to resume)")
-    rp.add_argument("--by", default=os.environ.get("USER", ""), help="who resumes (default: $USER)")
-    args = p.parse_args(argv)
-    if args.cmd == "breaker" and args.by and not args.close:
-        p.error("breaker: --by names who closes a breaker; it needs --close ACCOUNT")
-    if not args.dsn:
-        p.error("--dsn or MAILFLOW_DSN is required")
-    try:
-        conn = psycopg.connect(args.dsn, autocommit=True)
-    except psycopg.Error as exc:
-        print(f"error: cannot connect to the send-log database: {exc}".strip(), file=sys.stderr)
-        return 2
-    try:
-        with conn:
-            return _run(args, conn)
-    except psycopg.errors.UndefinedTable as exc:
-        print(f"error: {str(exc).splitlines()[0]}: run `mailflow migrate` first", file=sys.stderr)
-        return 2
+class _IdList(click.ParamType):
+    """``--ids``: comma-separated positive send-log ids."""
+
+    name = "ID,ID,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        """:raises click.BadParameter: (exit 2) naming the first entry that is not a positive integer."""
+        if isinstance(value, list):
+            return value
+        ids = []
+        for part in (x.strip() for x in str(value).split(",")):
+            if not part:
+                continue
+            if not part.isascii() or not part.isdigit() or int(part) == 0:
+                self.fail(f"{part!r} is not a send-log id (a positive integer)", param, ctx)
+            ids.append(int(part))
+        if not ids:
+            self.fail("no send-log id given", param, ctx)
+        return ids
 
 
-def _run(args: argparse.Namespace, conn: psycopg.Connection) -> int:
-    if args.cmd == "migrate":
-        import logging
+def _db_command(body: Callable[..., int]) -> Callable[..., int]:
+    """Wrap ``body(conn, **params) -> exit code``: connect to the send log (autocommit) and run it.
+    An unreachable database, or a schema without the tables the command reads, prints
+    ``error: ...`` to stderr and returns 2."""
 
-        from mailflow.store.migrate import SchemaNotCurrent, migrate, require_current, rerun_backfills
-
-        if args.check:
-            try:
-                require_current(conn)
-            except SchemaNotCurrent as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 1
-            print("schema up to date")
-            return 0
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-        applied = migrate(conn, lock_timeout_seconds=args.lock_timeout)
-        print("applied: " + ", ".join(applied) if applied else "schema up to date")
-        if args.backfill:
-            print("backfill steps run again: " + (", ".join(rerun_backfills(conn)) or "none"))
-    elif args.cmd == "reopen-refused":
-        from mailflow.store.send_log import reopen_refused
-
-        if (unknown := unknown_campaign(conn, args.campaign)) is not None:
-            print(f"error: {unknown}", file=sys.stderr)
+    @wraps(body)
+    def command(**params: Any) -> int:
+        dsn = dsn_of(click.get_current_context())
+        try:
+            conn = psycopg.connect(dsn, autocommit=True)
+        except psycopg.Error as exc:
+            print(f"error: cannot connect to the send-log database: {exc}".strip(), file=sys.stderr)
             return 2
         try:
-            done = reopen_refused(conn, args.campaign, args.field, apply=args.apply)
-        except ValueError as exc:
+            with conn:
+                return body(conn, **params)
+        except psycopg.errors.UndefinedTable as exc:
+            print(f"error: {str(exc).splitlines()[0]}: run `mailflow migrate` first", file=sys.stderr)
+            return 2
+
+    return command
+
+
+class _Mailflow(click.Group):
+    """The ``mailflow`` group; ``emulator`` is resolved when asked for (:func:`_emulator_command`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), "emulator"])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name == "emulator":
+            return _emulator_command()
+        return super().get_command(ctx, cmd_name)
+
+
+def _emulator_command() -> click.Command:
+    """The emulator's own command (:mod:`mailflow.emulator.cli`), imported here and only here: the
+    product launches the test double for a person, it shares no code with it (the import contract's
+    one exception, pyproject.toml)."""
+    from mailflow.emulator.cli import emulator
+
+    return emulator
+
+
+@click.group("mailflow", cls=_Mailflow, help=(__doc__ or "").replace("``", "`").replace("::", ":"),
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+@dsn_option
+def cli() -> None:
+    """The ``mailflow`` group (help: the module's docstring)."""
+
+
+@cli.command("migrate")
+@click.option("--check", is_flag=True, help="apply nothing; exit 1 if migrations are pending")
+@click.option("--backfill", is_flag=True,
+              help="after applying what is pending, run the backfill steps of the applied migrations again "
+                   "(idempotent: keys what workers of the previous release wrote during a rolling deploy)")
+@click.option("--lock-timeout", type=float, default=1.0, show_default=True,
+              help="seconds a transactional migration waits for a table lock before retrying")
+@dsn_option
+@_db_command
+def migrate_command(conn: psycopg.Connection, check: bool, backfill: bool, lock_timeout: float) -> int:
+    """Apply pending migrations under the migration lock (docs/operations.md, 'Upgrading')."""
+    import logging
+
+    from mailflow.store.migrate import SchemaNotCurrent, migrate, require_current, rerun_backfills
+
+    if check:
+        try:
+            require_current(conn)
+        except SchemaNotCurrent as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(json.dumps(dataclasses.asdict(done) | {"applied": args.apply}, indent=2))
-    elif args.cmd == "report":
-        print_table(REPORT_HEAD, report(conn))
-    elif args.cmd == "outcomes":
-        print_table(OUTCOMES_HEAD, [outcome_cells(r) for r in outcomes(conn)])
-    elif args.cmd == "keys":
-        rows = keys(conn)
-        print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),
-                    [(i, r, b, n, o.isoformat(timespec="seconds") if o else "-",
-                      u.isoformat(timespec="seconds") if u else "-") for i, r, b, n, o, u in rows])
-        waiting = [r for r in rows if r[1] in ("previous", "NOT CONFIGURED") and r[2]]
-        print(f"{sum(r[2] for r in waiting)} batch(es) still need a key other than the current one"
-              + ("" if any(r[1] in ("current", "previous") for r in rows) else
-                 " (the reconciler has not recorded the configured keys yet)"))
-    elif args.cmd == "dead-letters":
-        return _dead_letters(args, conn)
-    elif args.cmd == "breaker":
-        return _breaker(args, conn)
-    elif args.cmd == "reputation":
-        return _reputation(args, conn)
-    else:
-        if not args.outbox.is_file():
-            print(f"error: outbox file {args.outbox} not found", file=sys.stderr)
-            return 2
-        result = audit(conn, args.outbox)
-        print(json.dumps(result, indent=2))
-        bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
-        return 1 if bad else 0
+            return 1
+        print("schema up to date")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    applied = migrate(conn, lock_timeout_seconds=lock_timeout)
+    print("applied: " + ", ".join(applied) if applied else "schema up to date")
+    if backfill:
+        print("backfill steps run again: " + (", ".join(rerun_backfills(conn)) or "none"))
     return 0
 
 
-def _id_list(text: str) -> list[int]:
-    """``--ids``: comma-separated positive send-log ids.
+@cli.command("report")
+@dsn_option
+@_db_command
+def report_command(conn: psycopg.Connection) -> int:
+    """Per-campaign counts by state."""
+    print_table(REPORT_HEAD, report(conn))
+    return 0
 
-    :raises argparse.ArgumentTypeError: naming the first entry that is not one (argparse: exit 2).
-    """
-    ids = []
-    for part in (x.strip() for x in text.split(",")):
-        if not part:
-            continue
-        if not part.isascii() or not part.isdigit() or int(part) == 0:
-            raise argparse.ArgumentTypeError(f"{part!r} is not a send-log id (a positive integer)")
-        ids.append(int(part))
-    if not ids:
-        raise argparse.ArgumentTypeError("no send-log id given")
-    return ids
 
+@cli.command("outcomes")
+@dsn_option
+@_db_command
+def outcomes_command(conn: psycopg.Connection) -> int:
+    """Per-campaign outcomes the provider reported: delivered, bounces, complaints, opens, clicks and
+    their rates (mail.campaign_outcomes; docs/send_log.md)."""
+    print_table(OUTCOMES_HEAD, [outcome_cells(r) for r in outcomes(conn)])
+    return 0
+
+
+@cli.command("audit")
+@click.option("--outbox", type=click.Path(path_type=Path), required=True, help="the emulator's outbox (JSON lines)")
+@dsn_option
+@_db_command
+def audit_command(conn: psycopg.Connection, outbox: Path) -> int:
+    """Compare the send log with an outbox file; exit 1 on any violation."""
+    if not outbox.is_file():
+        print(f"error: outbox file {outbox} not found", file=sys.stderr)
+        return 2
+    result = audit(conn, outbox)
+    print(json.dumps(result, indent=2))
+    bad = {k: v for k, v in result.items() if k not in ("delivered", "sent_rows") and v}
+    return 1 if bad else 0
+
+
+@cli.command("keys")
+@dsn_option
+@_db_command
+def keys_command(conn: psycopg.Connection) -> int:
+    """Batches with rows still sending, per API key identity: which keys a resend still needs
+    (docs/operations.md, 'Rotating the API key')."""
+    rows = keys(conn)
+    print_table(("key_identity", "role", "batches", "sending", "oldest_batch", "needed_until"),
+                [(i, r, b, n, o.isoformat(timespec="seconds") if o else "-",
+                  u.isoformat(timespec="seconds") if u else "-") for i, r, b, n, o, u in rows])
+    waiting = [r for r in rows if r[1] in ("previous", "NOT CONFIGURED") and r[2]]
+    print(f"{sum(r[2] for r in waiting)} batch(es) still need a key other than the current one"
+          + ("" if any(r[1] in ("current", "previous") for r in rows) else
+             " (the reconciler has not recorded the configured keys yet)"))
+    return 0
+
+
+@cli.command("reopen-refused")
+@click.option("--campaign", required=True, help="the campaign whose rows the provider refused")
+@click.option("--field", default=None, callback=lambda _c, _p, v: v.lower() if v else v,
+              help="only rows whose error names this campaign field (any case)")
+@click.option("--apply", is_flag=True, help="change the rows (default: count only)")
+@dsn_option
+@_db_command
+def reopen_refused_command(conn: psycopg.Connection, campaign: str, field: str | None, apply: bool) -> int:
+    """Re-open rows the provider rejected for a field of the campaign (e.g. `from`), not of the
+    recipient (docs/operations.md); counts only without --apply."""
+    from mailflow.store.send_log import reopen_refused
+
+    if (unknown := unknown_campaign(conn, campaign)) is not None:
+        print(f"error: {unknown}", file=sys.stderr)
+        return 2
+    try:
+        done = reopen_refused(conn, campaign, field, apply=apply)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(dataclasses.asdict(done) | {"applied": apply}, indent=2))
+    return 0
 
 def unknown_campaign(conn: psycopg.Connection, campaign: str | None) -> str | None:
     """None when ``campaign`` is None or has a row in the send log; otherwise the message saying no
@@ -368,38 +416,59 @@ def undecidable(conn: psycopg.Connection, ids: list[int], campaign: str | None) 
     return why
 
 
-def _dead_letters(args: argparse.Namespace, conn: psycopg.Connection) -> int:
-    ids: list[int] | None = args.ids
-    if (unknown := unknown_campaign(conn, args.campaign)) is not None:
+@cli.command("dead-letters")
+@click.argument("action", type=click.Choice(["list", "resend", "close"]))
+@click.option("--ids", type=_IdList(), help="comma-separated send-log ids (each must be an undecided dead letter, "
+              "of --campaign if given: exit 1 naming any that is not)")
+@click.option("--all", "all_", is_flag=True, help="every undecided dead letter (of --campaign, if given)")
+@click.option("--campaign", help="only this campaign")
+@click.option("--by", default="", help="who decides (recorded on the rows and events)")
+@click.option("--reason", default="", help="why (recorded on the rows and events)")
+@click.option("--accept-duplicate-risk", is_flag=True,
+              help="resend: the provider may have delivered the old key; a user may get the email twice")
+@dsn_option
+def dead_letters_command(action: str, ids: list[int] | None, all_: bool, campaign: str | None, by: str,
+                         reason: str, accept_duplicate_risk: bool) -> int:
+    """List dead letters, or record a person's decision on them (docs/operations.md, 'Dead letters')."""
+    if ids is not None and all_:
+        raise click.UsageError("--ids and --all exclude each other: name the rows or take them all")
+    return _dead_letters(action=action, ids=ids, all_=all_, campaign=campaign, by=by, reason=reason,
+                         accept_duplicate_risk=accept_duplicate_risk)
+
+
+@_db_command
+def _dead_letters(conn: psycopg.Connection, action: str, ids: list[int] | None, all_: bool, campaign: str | None,
+                  by: str, reason: str, accept_duplicate_risk: bool) -> int:
+    if (unknown := unknown_campaign(conn, campaign)) is not None:
         print(f"error: {unknown}", file=sys.stderr)
         return 2
-    if args.action == "list":
-        rows = dead_letters(conn, ids, args.campaign)
+    if action == "list":
+        rows = dead_letters(conn, ids, campaign)
         print_table(("id", "kind", "campaign", "user_id", "key", "dead_lettered_at", "error"),
                     [(*r[:6], (r[6] or "")[:80]) for r in rows])
         print(f"{len(rows)} undecided dead letter(s)")
         return 0
-    if ids is None and not args.all:
+    if ids is None and not all_:
         print("error: name the rows (--ids) or pass --all", file=sys.stderr)
         return 2
-    if args.action == "resend" and not args.accept_duplicate_risk:
+    if action == "resend" and not accept_duplicate_risk:
         print("error: a resend under a new key may deliver an email the provider already accepted under the old "
               "one; pass --accept-duplicate-risk to take that decision", file=sys.stderr)
         return 2
-    if not args.by.strip() or not args.reason.strip():  # checked before any row is looked at
+    if not by.strip() or not reason.strip():  # checked before any row is looked at
         print("error: a decision on a dead letter names who took it (--by) and why (--reason)", file=sys.stderr)
         return 2
-    refused = undecidable(conn, ids, args.campaign) if ids is not None else {}
-    targets = [int(r[0]) for r in dead_letters(conn, ids, args.campaign) if int(r[0]) not in refused]
+    refused = undecidable(conn, ids, campaign) if ids is not None else {}
+    targets = [int(r[0]) for r in dead_letters(conn, ids, campaign) if int(r[0]) not in refused]
     try:
-        changed = decide_dead_letters(conn, args.action, targets, args.by, args.reason) if targets else []
+        changed = decide_dead_letters(conn, action, targets, by, reason) if targets else []
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for i in sorted(set(targets) - set(changed)):  # decided by someone else between the read and the write
         refused[i] = "decided by someone else meanwhile"
-    print(f"{args.action}: {len(changed)} dead letter(s) decided" + (f" ({', '.join(map(str, changed))})"
-                                                                   if changed else ""))
+    print(f"{action}: {len(changed)} dead letter(s) decided" + (f" ({', '.join(map(str, changed))})"
+                                                              if changed else ""))
     if refused:
         print(f"error: {len(refused)} id(s) left unchanged:", file=sys.stderr)
         for i, why in sorted(refused.items()):
@@ -408,33 +477,60 @@ def _dead_letters(args: argparse.Namespace, conn: psycopg.Connection) -> int:
     return 0
 
 
-def _breaker(args: argparse.Namespace, conn: psycopg.Connection) -> int:
-    from mailflow.store.sql import query
+@cli.command("breaker")
+@click.option("--close", metavar="ACCOUNT", help="close this account's breaker by hand (the provider is back)")
+@click.option("--by", default="", help="who closes it")
+@dsn_option
+def breaker_command(close: str | None, by: str) -> int:
+    """The providers' circuit breakers (docs/operations.md, 'Circuit breaker')."""
+    if by and not close:
+        raise click.UsageError("breaker: --by names who closes a breaker; it needs --close ACCOUNT")
+    return _breaker(close=close, by=by)
 
-    if args.close:
-        if not args.by.strip():
+
+@_db_command
+def _breaker(conn: psycopg.Connection, close: str | None, by: str) -> int:
+    if close:
+        if not by.strip():
             print("error: --by names who closes the breaker", file=sys.stderr)
             return 2
         known = [r[0] for r in conn.execute("select account from mail.circuit_breaker order by account")]
-        if args.close not in known:
-            print(f"error: no breaker for account {args.close!r}; known accounts: "
+        if close not in known:
+            print(f"error: no breaker for account {close!r}; known accounts: "
                   + (", ".join(known) or "none (no breaker has opened yet)"), file=sys.stderr)
             return 1
         with conn.transaction():
-            row = conn.execute(query("breaker", "close"), {"account": args.close,
-                                                          "holder": f"by hand: {args.by.strip()}"}).fetchone()
-        print(f"closed the breaker of {args.close}" if row else f"the breaker of {args.close} was not open")
+            row = conn.execute(query("breaker", "close"), {"account": close,
+                                                          "holder": f"by hand: {by.strip()}"}).fetchone()
+        print(f"closed the breaker of {close}" if row else f"the breaker of {close} was not open")
         return 0
     print_table(("account", "state", "opened_at", "reason", "failures", "opened_total", "probe_holder",
                  "probe_until", "closed_at", "closed_by"), conn.execute(query("breaker", "breakers")).fetchall())
     return 0
 
 
-def _reputation(args: argparse.Namespace, conn: psycopg.Connection) -> int:
+@cli.command("reputation")
+@click.argument("action", type=click.Choice(["status", "resume"]))
+@click.option("--campaign", help="resume this campaign")
+@click.option("--account", help="resume the provider account (every campaign)")
+@click.option("--reason", default="", help="why it is safe to send again (required to resume)")
+@click.option("--by", default=lambda: os.environ.get("USER", ""), show_default="$USER", help="who resumes")
+@dsn_option
+def reputation_command(action: str, campaign: str | None, account: str | None, reason: str, by: str) -> int:
+    """The reputation guard: status, or resume a tripped campaign or account (a person's decision;
+    docs/operations.md, 'Reputation guard')."""
+    if campaign and account:
+        raise click.UsageError("--campaign and --account exclude each other: resume one scope at a time")
+    return _reputation(action=action, campaign=campaign, account=account, reason=reason, by=by)
+
+
+@_db_command
+def _reputation(conn: psycopg.Connection, action: str, campaign: str | None, account: str | None, reason: str,
+                by: str) -> int:
     from mailflow.sources.scheduled.control import resume_reputation
     from mailflow.store import reputation
 
-    if args.action == "status":
+    if action == "status":
         rows = reputation.status(conn)
         print_table(("scope", "name", "state", "hard_bounce_rate", "complaint_rate", "sample", "evaluated_at",
                      "tripped_at", "resumed_at", "resumed_by"),
@@ -445,25 +541,43 @@ def _reputation(args: argparse.Namespace, conn: psycopg.Connection) -> int:
             if r["state"] == "tripped":
                 print(f"{r['scope']} {r['name']} tripped: {r['reason']}")
         return 0
-    if not (args.campaign or args.account):
+    if not (campaign or account):
         print("error: resume names what: --campaign NAME or --account NAME", file=sys.stderr)
         return 2
-    if not args.by.strip() or not args.reason.strip():
+    if not by.strip() or not reason.strip():
         print("error: resuming is a person's decision: give --reason (and --by if $USER is not set)", file=sys.stderr)
         return 2
-    scope, name = ("campaign", args.campaign) if args.campaign else ("account", args.account)
+    scope, name = ("campaign", campaign) if campaign else ("account", str(account))
     try:
-        done = resume_reputation(conn, scope, name, actor=args.by, reason=args.reason)
+        done = resume_reputation(conn, scope, name, actor=by, reason=reason)
     except (LookupError, ValueError) as exc:
         print(f"error: {str(exc).strip(chr(39) + chr(34))}", file=sys.stderr)
         return 1
     if not done["changed"]:
         print(f"{scope} {name} is not tripped: nothing to resume")
         return 0
-    print(f"resumed {scope} {name} at {done['resumed_at']} by {args.by.strip()}; scheduled campaigns set back to "
+    print(f"resumed {scope} {name} at {done['resumed_at']} by {by.strip()}; scheduled campaigns set back to "
           f"scheduled: {', '.join(done['unpaused']) or 'none'}")
     return 0
 
+
+cli.add_command(campaign)
+
+
+@cli.group("unsubscribe")
+def unsubscribe_group() -> None:
+    """The one-click unsubscribe endpoint, standalone (docs/unsubscribe.md)."""
+
+
+unsubscribe_group.add_command(unsubscribe_serve)
+
+
+@cli.group("webhooks")
+def webhooks_group() -> None:
+    """The provider's webhook receiver, standalone (docs/feedback.md)."""
+
+
+webhooks_group.add_command(webhooks_serve)
 
 def print_table(head: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
     """Print an aligned text table."""
@@ -473,6 +587,14 @@ def print_table(head: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
         if n == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mailflow`` command (``[project.scripts]``): runs ``argv`` (default
+    ``sys.argv[1:]``) and returns the exit code: 0 done, 1 a check found something (audit
+    violations, pending migrations, ids left unchanged), 2 bad input or no database. ``--help``
+    and usage errors raise ``SystemExit`` (0 / 2) with the text printed."""
+    return run(cli, argv, "mailflow")
 
 
 if __name__ == "__main__":

@@ -596,7 +596,7 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
         hook_secret = webhook_secret(devenv.STATE / "webhook.secret")
         webhook_url = f"http://127.0.0.1:{port}{WEBHOOK_PATH}"
         emu_port = _stable_port(here / "emulator.port")
-        emulator = Proc("emulator", [sys.executable, "-m", "mailflow.emulator", "--port", str(emu_port),
+        emulator = Proc("emulator", [sys.executable, "-m", "mailflow.cli", "emulator", "--port", str(emu_port),
                                      "--outbox", str(state / "outbox.jsonl"), "--idempotency-store",
                                      str(state / "idempotency.jsonl"), "--api-key", api_key, "--rate-limit", "10",
                                      *emulator_flags(webhook_url, hook_secret)],

@@ -1,7 +1,7 @@
 """Webhooks on a laptop: the standalone receiver as a process, the emulator's lifecycle for the demos,
 and the emulator's accounting of what it pushed, checked against the send log.
 
-``make demo`` runs :class:`ReceiverProcess` (``python -m mailflow.feedback.webhooks``) and an emulator
+``make demo`` runs :class:`ReceiverProcess` (``mailflow webhooks serve``) and an emulator
 that pushes each accepted email's lifecycle (:data:`DEMO_LIFECYCLE`) to it, signed with a secret
 generated once into ``.demo/webhook.secret`` (:func:`webhook_secret`); ``make airflow`` points its
 emulator at the API server's plugin instead. After a run, :func:`wait_acknowledged` waits until the
@@ -62,7 +62,7 @@ def emulator_flags(url: str, secret: str) -> list[str]:
 
 
 class ReceiverProcess:
-    """``python -m mailflow.feedback.webhooks`` on a free loopback port against ``dsn``, the secret
+    """``mailflow webhooks serve`` on a free loopback port against ``dsn``, the secret
     in its environment (``MAILFLOW_WEBHOOK_SECRETS``, never on the command line), output to ``log``.
 
     ``url`` is the endpoint to register (``http://127.0.0.1:<port>/resend``). On exit: SIGINT
@@ -93,7 +93,7 @@ class ReceiverProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mailflow.feedback.webhooks", "--port", str(self.port), "--dsn", self.dsn,
+                [sys.executable, "-m", "mailflow.cli", "webhooks", "serve", "--port", str(self.port), "--dsn", self.dsn,
                  "--sweep-every", str(self.sweep_every)],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.startup_timeout

@@ -73,12 +73,17 @@ def fresh_webhook_plugin_app() -> Iterator[None]:
 
 
 def _emulator_args(services: dict[str, Any]) -> Any:
-    """The compose emulator's command line, parsed by the emulator's own parser."""
-    from mailflow.emulator.__main__ import build_parser
+    """The compose emulator's command line, parsed by the emulator's own command (``mailflow emulator``)."""
+    from types import SimpleNamespace
+
+    from mailflow.emulator.cli import emulator
 
     words = " ".join(services["mailflow-emulator"]["command"].split()).split(" ")
-    assert words[:3] == ["python", "-m", "mailflow.emulator"], words
-    return build_parser().parse_args(words[3:])
+    # `mailflow emulator` through the image's entrypoint, which runs `python ...` as given (a bare
+    # `mailflow` would become `airflow mailflow`)
+    assert words[:4] == ["python", "-m", "mailflow.cli", "emulator"], words
+    with emulator.make_context("mailflow emulator", words[4:]) as ctx:
+        return SimpleNamespace(**ctx.params)
 
 
 def _compose(extra: dict[str, str] | None = None) -> dict[str, Any]:
@@ -195,7 +200,7 @@ def test_a_webhook_the_compose_emulator_signs_is_accepted_by_the_plugin_in_the_a
     assert "8080:8080" in services["airflow-apiserver"]["ports"]
     # ... and signs with the secret of the connection the API server verifies with
     secret = json.loads(apiserver["AIRFLOW_CONN_MAIL_WEBHOOK"])["password"]
-    assert args.webhook_secrets == [secret] == [COMPOSE_SECRETS["MAILFLOW_WEBHOOK_SECRET"]]
+    assert list(args.webhook_secrets) == [secret] == [COMPOSE_SECRETS["MAILFLOW_WEBHOOK_SECRET"]]
     assert args.hard_bounce_rate > 0 and args.open_rate > 0  # outcomes to show, not only deliveries
 
     db.execute("truncate mail.webhook_event")

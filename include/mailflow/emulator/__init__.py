@@ -1,6 +1,6 @@
 """Resend-compatible HTTP emulator (test double, demo email API, benchmark provider).
 
-``create_app(EmulatorConfig(...))`` builds the Starlette app; ``python -m mailflow.emulator`` serves it;
+``create_app(EmulatorConfig(...))`` builds the Starlette app; ``mailflow emulator`` serves it;
 ``mailflow.emulator.testing.EmulatorProcess`` runs it as a subprocess for tests.
 """
 

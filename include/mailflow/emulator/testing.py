@@ -64,7 +64,7 @@ def _flag_args(flags: dict[str, Any]) -> list[str]:
 
 
 class EmulatorProcess:
-    """``python -m mailflow.emulator`` in a subprocess, with the control API on by default.
+    """``mailflow emulator`` in a subprocess, with the control API on by default.
 
     ``flags`` are CLI options by field name (``rate_limit=10``, ``bounce=["a@x.org"]``,
     ``store_bodies=False``). Output goes to ``<outbox>.log``. On exit: SIGINT, then kill after 5 s.
@@ -86,7 +86,9 @@ class EmulatorProcess:
 
     def start(self) -> EmulatorProcess:
         self.outbox_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "mailflow.emulator", "--host", self.host, "--port", str(self.port),
+        # the emulator's own command (what `mailflow emulator` runs) without loading the product's CLI
+        cmd = [sys.executable, "-c", "from mailflow.emulator.cli import emulator; emulator.main(prog_name='mailflow emulator')",
+               "--host", self.host, "--port", str(self.port),
                "--outbox", str(self.outbox_path), "--api-key", self.api_key, *_flag_args(self.flags)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

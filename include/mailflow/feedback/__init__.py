@@ -5,5 +5,5 @@
 * :mod:`~mailflow.feedback.unsubscribe_tokens`: signed per-user unsubscribe tokens (the renderer
   signs them into every email).
 * :mod:`~mailflow.feedback.unsubscribe_app`: the one-click unsubscribe endpoint (ASGI), standalone
-  with ``python -m mailflow.feedback.unsubscribe_app`` or mounted by an Airflow plugin.
+  with ``mailflow unsubscribe serve`` or mounted by an Airflow plugin.
 """

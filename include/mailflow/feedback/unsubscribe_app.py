@@ -30,7 +30,7 @@ a suppressed user) honour them. Pages are plain HTML built from escaped strings,
 ``Cache-Control: no-store``, ``X-Robots-Tag: noindex``, ``Referrer-Policy: no-referrer`` and a CSP
 that forbids framing (a hidden confirm button cannot be clickjacked). Tokens are never logged.
 
-Run it: ``python -m mailflow.feedback.unsubscribe_app --port 8090 --dsn postgresql://...`` (secret from
+Run it: ``mailflow unsubscribe serve --port 8090 --dsn postgresql://...`` (secret from
 ``MAILFLOW_UNSUBSCRIBE_SECRET`` or ``AIRFLOW_CONN_MAIL_UNSUBSCRIBE``); in Airflow, the plugin
 ``plugins/mailflow_unsubscribe.py`` mounts :func:`create_airflow_app` at ``/mailflow-unsubscribe``.
 Standalone, it times out half-sent requests and caps its connections
@@ -39,7 +39,6 @@ Standalone, it times out half-sent requests and caps its connections
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import logging
@@ -50,6 +49,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import click
 import psycopg
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -348,52 +348,60 @@ def connect_factory(dsn: str, *, connect_timeout: int = 5, statement_timeout_ms:
     return connect
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mailflow.feedback.unsubscribe_app [--host H] [--port 8090] [--dsn DSN]``: serve with uvicorn.
+def _dsn_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
+    """``--dsn``, else ``mailflow --dsn``, else ``MAILFLOW_UNSUBSCRIBE_DSN``, else ``MAILFLOW_DSN``."""
+    dsn = value or ctx.meta.get("mailflow.dsn") or os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN")
+    if not dsn:
+        raise click.UsageError(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
+    return str(dsn)
 
-    The DSN comes from ``--dsn``, ``MAILFLOW_UNSUBSCRIBE_DSN`` or ``MAILFLOW_DSN``; the secret from
-    the environment (:func:`signer_from_env`). Exits with 2 if either is missing. The access log is
-    off (paths carry tokens); the app logs user ids and lists only. Slow or idle clients cannot
-    hold it down: header and body read timeouts, a header size bound and a connection cap below the
-    file-descriptor limit (:mod:`mailflow.feedback.unsubscribe_server`; flags ``--header-timeout``,
-    ``--body-timeout``, ``--keep-alive``, ``--max-header-bytes``, ``--max-connections``).
+
+_LIMITS = ServerLimits()
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8090, show_default=True)
+@click.option("--dsn", callback=_dsn_option, metavar="DSN",
+              help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
+@click.option("--brand", default="Aptitude Practice", show_default=True)
+@click.option("--header-timeout", type=float, default=_LIMITS.header_timeout, show_default=True, metavar="SECONDS",
+              help="a request's line and headers must arrive within this (else 408)")
+@click.option("--body-timeout", type=float, default=_LIMITS.body_timeout, show_default=True, metavar="SECONDS",
+              help="its body must arrive within this after the headers")
+@click.option("--keep-alive", type=int, default=_LIMITS.keep_alive, show_default=True, metavar="SECONDS",
+              help="an idle kept-alive connection is closed after this")
+@click.option("--max-header-bytes", type=int, default=_LIMITS.max_header_bytes, show_default=True, metavar="BYTES",
+              help="larger request headers get 431")
+@click.option("--max-connections", type=int, default=None, metavar="N",
+              help="open client connections at most (default 1000; never more than the soft "
+                   f"file-descriptor limit minus {FD_RESERVE})")
+def serve_command(host: str, port: int, dsn: str, brand: str, header_timeout: float, body_timeout: float,
+                  keep_alive: int, max_header_bytes: int, max_connections: int | None) -> int:
+    """Serve the unsubscribe endpoint with uvicorn (``mailflow unsubscribe serve``) until SIGINT/SIGTERM.
+
+    The DSN comes from ``--dsn``, ``mailflow --dsn``, ``MAILFLOW_UNSUBSCRIBE_DSN`` or ``MAILFLOW_DSN``;
+    the secret from the environment (:func:`signer_from_env`). Exits with 2 if either is missing.
+    The access log is off (paths carry tokens); the app logs user ids and lists only. Slow or idle
+    clients cannot hold it down: header and body read timeouts, a header size bound and a
+    connection cap below the file-descriptor limit (:mod:`mailflow.feedback.unsubscribe_server`).
     """
-    defaults = ServerLimits()
-    p = argparse.ArgumentParser(prog="python -m mailflow.feedback.unsubscribe_app", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8090)
-    p.add_argument("--dsn", default=os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN"),
-                   help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
-    p.add_argument("--brand", default="Aptitude Practice")
-    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout, metavar="SECONDS",
-                   help="a request's line and headers must arrive within this (else 408; default %(default)s)")
-    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout, metavar="SECONDS",
-                   help="its body must arrive within this after the headers (default %(default)s)")
-    p.add_argument("--keep-alive", type=int, default=defaults.keep_alive, metavar="SECONDS",
-                   help="an idle kept-alive connection is closed after this (default %(default)s)")
-    p.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes, metavar="BYTES",
-                   help="larger request headers get 431 (default %(default)s)")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open client connections at most (default 1000; never more than the soft "
-                        f"file-descriptor limit minus {FD_RESERVE})")
-    args = p.parse_args(argv)
-    if not args.dsn:
-        p.error(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
     try:
         signer = signer_from_env()
     except Unavailable as exc:
-        p.error(str(exc))
-    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          keep_alive=args.keep_alive, max_header_bytes=args.max_header_bytes,
-                          max_connections=args.max_connections)
+        raise click.UsageError(str(exc)) from None
+    limits = ServerLimits(header_timeout=header_timeout, body_timeout=body_timeout, keep_alive=keep_alive,
+                          max_header_bytes=max_header_bytes, max_connections=max_connections)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(signer, connect_factory(args.dsn), brand=args.brand)
-    log.info("unsubscribe endpoint on http://%s:%s/u/<token> (key ids %s)", args.host, args.port,
-             sorted(signer.keys))
-    serve(app, host=args.host, port=args.port, limits=limits)
+    app = create_app(signer, connect_factory(dsn), brand=brand)
+    log.info("unsubscribe endpoint on http://%s:%s/u/<token> (key ids %s)", host, port, sorted(signer.keys))
+    serve(app, host=host, port=port, limits=limits)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # deprecated alias, kept for one release
+    print("warning: `python -m mailflow.feedback.unsubscribe_app` is deprecated and goes away in the next minor "
+          "release; run `mailflow unsubscribe serve` (same options)", file=sys.stderr, flush=True)
+    serve_command.main(prog_name="mailflow unsubscribe serve")

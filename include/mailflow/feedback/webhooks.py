@@ -24,14 +24,13 @@ Secrets: one or more ``whsec_...`` (rotation: a request is genuine if any verifi
 connection ``mail_webhook`` (password) in the API server, from ``MAILFLOW_WEBHOOK_SECRETS`` standalone.
 Nothing logs a secret, a body or an unmasked address.
 
-Standalone: ``python -m mailflow.feedback.webhooks --port 8091 --dsn postgresql://...`` (uvicorn with the
+Standalone: ``mailflow webhooks serve --port 8091 --dsn postgresql://...`` (uvicorn with the
 unsubscribe server's header/body timeouts and connection cap, :mod:`mailflow.feedback.unsubscribe_server`).
 Setup against Resend: docs/feedback.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -43,6 +42,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import click
 import psycopg
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -299,55 +299,68 @@ def connect_factory(dsn: str, *, connect_timeout: int = 3, statement_timeout_ms:
     return connect
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mailflow.feedback.webhooks [--host H] [--port 8091] [--dsn DSN]``: serve with uvicorn.
+def _dsn_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
+    """``--dsn``, else ``mailflow --dsn``, else ``MAILFLOW_WEBHOOK_DSN``, else ``MAILFLOW_DSN``."""
+    dsn = value or ctx.meta.get("mailflow.dsn") or os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN")
+    if not dsn:
+        raise click.UsageError(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
+    return str(dsn)
 
-    The DSN from ``--dsn``, ``MAILFLOW_WEBHOOK_DSN`` or ``MAILFLOW_DSN``; the secrets from the
-    environment (:func:`secrets_from_env`). Exits with 2 if either is missing. Access log off.
+
+_LIMITS = ServerLimits()
+
+
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8091, show_default=True)
+@click.option("--dsn", callback=_dsn_option, metavar="DSN",
+              help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
+@click.option("--max-body-bytes", type=int, default=MAX_BODY_BYTES, show_default=True, metavar="BYTES")
+@click.option("--max-group", type=int, default=1000, show_default=True, metavar="N",
+              help="events per transaction at most")
+@click.option("--lanes", type=int, default=2, show_default=True, metavar="N",
+              help="groups written at once, each on its own connection")
+@click.option("--max-waiting", type=int, default=20000, show_default=True, metavar="N",
+              help="events waiting for the database at most (more get 503)")
+@click.option("--sweep-every", type=float, default=3.0, show_default=True, metavar="SECONDS",
+              help="apply events waiting for their email this often (0: never)")
+@click.option("--give-up-hours", type=float, default=GIVE_UP_AFTER.total_seconds() / 3600, show_default=True,
+              metavar="HOURS", help="an event whose email stays unknown this long is decided unknown_email")
+@click.option("--header-timeout", type=float, default=_LIMITS.header_timeout, show_default=True, metavar="SECONDS")
+@click.option("--body-timeout", type=float, default=_LIMITS.body_timeout, show_default=True, metavar="SECONDS")
+@click.option("--keep-alive", type=int, default=_LIMITS.keep_alive, show_default=True, metavar="SECONDS")
+@click.option("--max-connections", type=int, default=None, metavar="N",
+              help=f"open client connections at most (default 1000; never more than the soft "
+                   f"file-descriptor limit minus {FD_RESERVE})")
+def serve_command(host: str, port: int, dsn: str, max_body_bytes: int, max_group: int, lanes: int,
+                  max_waiting: int, sweep_every: float, give_up_hours: float, header_timeout: float,
+                  body_timeout: float, keep_alive: int, max_connections: int | None) -> int:
+    """Serve the webhook receiver with uvicorn (``mailflow webhooks serve``) until SIGINT/SIGTERM.
+
+    The DSN from ``--dsn``, ``mailflow --dsn``, ``MAILFLOW_WEBHOOK_DSN`` or ``MAILFLOW_DSN``; the
+    signing secrets from the environment (:func:`secrets_from_env`). Exits with 2 if either is
+    missing. Access log off.
     """
-    defaults = ServerLimits()
-    p = argparse.ArgumentParser(prog="python -m mailflow.feedback.webhooks", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8091)
-    p.add_argument("--dsn", default=os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN"),
-                   help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
-    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, metavar="BYTES")
-    p.add_argument("--max-group", type=int, default=1000, metavar="N", help="events per transaction at most")
-    p.add_argument("--lanes", type=int, default=2, metavar="N",
-                   help="groups written at once, each on its own connection (default %(default)s)")
-    p.add_argument("--max-waiting", type=int, default=20000, metavar="N",
-                   help="events waiting for the database at most (more get 503)")
-    p.add_argument("--sweep-every", type=float, default=3.0, metavar="SECONDS",
-                   help="apply events waiting for their email this often (0: never)")
-    p.add_argument("--give-up-hours", type=float, default=GIVE_UP_AFTER.total_seconds() / 3600, metavar="HOURS",
-                   help="an event whose email stays unknown this long is decided unknown_email")
-    p.add_argument("--header-timeout", type=float, default=defaults.header_timeout, metavar="SECONDS")
-    p.add_argument("--body-timeout", type=float, default=defaults.body_timeout, metavar="SECONDS")
-    p.add_argument("--keep-alive", type=int, default=defaults.keep_alive, metavar="SECONDS")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help=f"open client connections at most (default 1000; never more than the soft "
-                        f"file-descriptor limit minus {FD_RESERVE})")
-    args = p.parse_args(argv)
-    if not args.dsn:
-        p.error(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
     try:
         secrets = secrets_from_env()
     except NoSecrets as exc:
-        p.error(str(exc))
+        raise click.UsageError(str(exc)) from None
     from datetime import timedelta
 
-    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          keep_alive=args.keep_alive, max_connections=args.max_connections)
+    limits = ServerLimits(header_timeout=header_timeout, body_timeout=body_timeout,
+                          keep_alive=keep_alive, max_connections=max_connections)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    connect = connect_factory(args.dsn)
-    writer = GroupWriter(connect, lanes=args.lanes, max_group=args.max_group, max_waiting=args.max_waiting,
-                         sweep_every=args.sweep_every, give_up_after=timedelta(hours=args.give_up_hours))
-    app = create_app(secrets, connect, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                     writer=writer)
-    log.info("webhook receiver on http://%s:%s/resend (%d signing secret(s))", args.host, args.port, len(secrets))
-    serve(app, host=args.host, port=args.port, limits=limits)
+    connect = connect_factory(dsn)
+    writer = GroupWriter(connect, lanes=lanes, max_group=max_group, max_waiting=max_waiting,
+                         sweep_every=sweep_every, give_up_after=timedelta(hours=give_up_hours))
+    app = create_app(secrets, connect, max_body_bytes=max_body_bytes, body_timeout=body_timeout, writer=writer)
+    log.info("webhook receiver on http://%s:%s/resend (%d signing secret(s))", host, port, len(secrets))
+    serve(app, host=host, port=port, limits=limits)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # deprecated alias, kept for one release
+    print("warning: `python -m mailflow.feedback.webhooks` is deprecated and goes away in the next minor "
+          "release; run `mailflow webhooks serve` (same options)", file=sys.stderr, flush=True)
+    serve_command.main(prog_name="mailflow webhooks serve")

@@ -3,7 +3,7 @@
 The emulator pushes each accepted email's lifecycle as signed webhooks with EVERY webhook fault on
 at once (duplicates, reordered emails, delayed first attempts, dropped attempts retried on Svix's
 schedule run 500 times faster, forged signatures over tampered bodies, replays with stale and
-future timestamps) to a standalone receiver process (``python -m mailflow.feedback.webhooks``, as
+future timestamps) to a standalone receiver process (``mailflow webhooks serve``, as
 deployed). Emails are sent through the emulator's batch API with their send-log rows (``sending``
 first, the provider ids stored by index after the answer, as the engine does: a webhook can arrive
 before its email's id is known), spread over the kill phase, while the receiver is SIGKILLed at

@@ -1,4 +1,4 @@
-"""The standalone webhook receiver as deployed (``python -m mailflow.feedback.webhooks --port P --dsn
+"""The standalone webhook receiver as deployed (``mailflow webhooks serve --port P --dsn
 DSN``, secrets in ``MAILFLOW_WEBHOOK_SECRETS``) in a subprocess that can be SIGKILLed and restarted
 on the same port, so the provider's endpoint URL stays valid across restarts."""
 
@@ -47,7 +47,7 @@ class ReceiverProcess:
         assert self.proc is None or self.proc.poll() is not None, "receiver still running"
         env = os.environ.copy()
         env["MAILFLOW_WEBHOOK_SECRETS"] = " ".join(self.secrets)
-        cmd = [sys.executable, "-m", "mailflow.feedback.webhooks", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "mailflow.cli", "webhooks", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--dsn", self.dsn, *self.extra_args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

@@ -329,7 +329,7 @@ def test_the_standalone_server_runs_with_uvicorn(db: psycopg.Connection, db_dsn:
     env.pop("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", None)
     log = tmp_path / "unsubscribe.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mailflow.feedback.unsubscribe_app", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "mailflow.cli", "unsubscribe", "serve", "--port", str(port),
                                  "--dsn", db_dsn], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -351,7 +351,7 @@ def test_the_standalone_server_runs_with_uvicorn(db: psycopg.Connection, db_dsn:
     text = log.read_text()
     assert UNSUBSCRIBE_SECRET not in text and token not in text  # no secret, no token in its log
 
-    missing = subprocess.run([sys.executable, "-m", "mailflow.feedback.unsubscribe_app", "--dsn", db_dsn],
+    missing = subprocess.run([sys.executable, "-m", "mailflow.cli", "unsubscribe", "serve", "--dsn", db_dsn],
                              env={k: v for k, v in env.items() if k != "MAILFLOW_UNSUBSCRIBE_SECRET"},
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "MAILFLOW_UNSUBSCRIBE_SECRET" in missing.stderr

@@ -49,7 +49,7 @@ def server(db_dsn: str, tmp_path: Path, *args: str, nofile: int | None = None) -
     env = {**os.environ, "MAILFLOW_UNSUBSCRIBE_SECRET": UNSUBSCRIBE_SECRET}
     env.pop("AIRFLOW_CONN_MAIL_UNSUBSCRIBE", None)
     with open(tmp_path / "unsubscribe.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mailflow.feedback.unsubscribe_app", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "mailflow.cli", "unsubscribe", "serve", "--port", str(port),
                                  "--dsn", db_dsn, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                 preexec_fn=_nofile(nofile) if nofile else None)
     base = f"http://127.0.0.1:{port}"

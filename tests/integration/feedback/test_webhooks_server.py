@@ -1,4 +1,4 @@
-"""The standalone receiver (``python -m mailflow.feedback.webhooks``, uvicorn) under slow bodies and
+"""The standalone receiver (``mailflow webhooks serve``, uvicorn) under slow bodies and
 concurrent deliveries: a half-sent body stores nothing, and concurrent events share transactions."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def receiver(db_dsn: str, tmp_path: Path, *args: str) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "MAILFLOW_WEBHOOK_SECRETS": f"{SECRET}, whsec_c2Vjb25kLXNlY3JldC0wMTIzNDU2Nzg5YWJjZA=="}
     with open(tmp_path / "receiver.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mailflow.feedback.webhooks", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "mailflow.cli", "webhooks", "serve", "--port", str(port),
                                  "--dsn", db_dsn, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:

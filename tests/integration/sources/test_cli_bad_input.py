@@ -24,14 +24,14 @@ def test_malformed_id_is_a_usage_error_naming_it(rig: Rig, capsys: pytest.Captur
     with pytest.raises(SystemExit) as exc:
         mailflow_cli(["dead-letters", "resend", "--ids", "12,abc", *DECIDE, "--dsn", rig.dsn])
     assert exc.value.code == 2
-    assert "argument --ids: 'abc' is not a send-log id (a positive integer)" in capsys.readouterr().err
+    assert "Invalid value for '--ids': 'abc' is not a send-log id (a positive integer)" in capsys.readouterr().err
 
 
 def test_ids_with_all_are_mutually_exclusive(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         mailflow_cli(["dead-letters", "close", "--ids", "1", "--all", *DECIDE, "--dsn", rig.dsn])
     assert exc.value.code == 2
-    assert "argument --all: not allowed with argument --ids" in capsys.readouterr().err
+    assert "--ids and --all exclude each other" in capsys.readouterr().err
 
 
 def test_unknown_and_already_decided_ids_are_reported_not_silently_skipped(

@@ -66,7 +66,10 @@ AIRFLOW_OWNED = _closure(["apache-airflow", "apache-airflow-providers-postgres"]
 def test_the_runtime_file_has_lower_bounds_only_and_nothing_airflow_or_a_tool_owns() -> None:
     runtime = _requirements(ROOT / "requirements.txt")
     names = {canonicalize_name(r.name) for r in runtime}
-    assert names == {"psycopg", "httpx", "jinja2", "email-validator", "starlette", "uvicorn", "standardwebhooks", "holidays"}
+    # click (the `mailflow` command) comes with Airflow, like httpx or starlette: listed because the product
+    # imports it, with a bound that admits Airflow's version so pip leaves it alone
+    assert names == {"psycopg", "httpx", "jinja2", "email-validator", "starlette", "uvicorn", "standardwebhooks",
+                     "holidays", "click"}
     for req in runtime:
         assert {s.operator for s in req.specifier} == {">="}, f"{req}: lower bounds only, never a pin"
         assert not canonicalize_name(req.name).startswith("apache-airflow"), req
@@ -82,7 +85,7 @@ def test_every_runtime_bound_admits_the_version_airflow_brought_so_pip_changes_n
         if name in AIRFLOW_OWNED:
             shared += 1
             assert req.specifier.contains(metadata.version(name)), (req, metadata.version(name))
-    assert shared >= 4  # httpx, Jinja2, starlette, uvicorn at least come with Airflow 3.3.2
+    assert shared >= 5  # httpx, Jinja2, starlette, uvicorn, click at least come with Airflow 3.3.2
 
 
 def test_the_development_set_pins_the_runtime_set_airflow_and_every_tool() -> None:
@@ -128,7 +131,7 @@ def test_everything_the_product_imports_comes_from_the_runtime_set_or_airflow() 
     installed_by_runtime_path = AIRFLOW_OWNED | _closure(runtime)
     imports = _third_party_imports(ROOT / "include" / "mailflow") | _third_party_imports(ROOT / "dags") \
         | _third_party_imports(ROOT / "plugins")
-    assert {"airflow", "psycopg", "starlette", "jinja2", "httpx", "uvicorn", "email_validator"} <= imports
+    assert {"airflow", "psycopg", "starlette", "jinja2", "httpx", "uvicorn", "email_validator", "click"} <= imports
     missing = {m: providers.get(m) for m in imports
                if not {canonicalize_name(d) for d in providers.get(m, [])} & installed_by_runtime_path}
     assert missing == {}

@@ -35,7 +35,7 @@ Nobody is skipped, nobody is duplicated: rows keep their identity.
 of one campaign per batch, renders them, stores the batch bytes, all in one transaction, then sends
 through the same client, pacer and ``PostgresStore.apply`` as the lifecycle DAG.
 
-CLI: ``python -m mailflow.sources.scheduled --dsn ... create|provision|cancel|pause|resume|status ...``.
+CLI: ``mailflow campaign create|update|provision|pause|resume|cancel|status|complete ...`` (:mod:`.cli`).
 """
 
 from __future__ import annotations
