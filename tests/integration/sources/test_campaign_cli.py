@@ -13,7 +13,6 @@ import pytest
 
 from mailflow.cli import main as mailflow
 from mailflow.sources import scheduled
-from mailflow.sources.scheduled import spec as spec_module
 
 SPEC = """
 name = "NAME"
@@ -128,37 +127,6 @@ def test_without_a_dsn_the_command_says_so(monkeypatch: pytest.MonkeyPatch, caps
     assert "--dsn or MAILFLOW_DSN is required" in capsys.readouterr().err
 
 
-def test_update_hands_the_spec_to_update_draft(db: psycopg.Connection, db_dsn: str, spec_file: Path, name: str,
-                                               capsys: pytest.CaptureFixture[str],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    _json(capsys, ["campaign", "create", str(spec_file), "--dsn", db_dsn])
-    calls: list[tuple[str, dict[str, Any], str | None]] = []
-
-    def update_draft(conn: psycopg.Connection, name: str, spec: dict[str, Any], *, actor: str | None = None,
-                     base_dir: Path | None = None) -> None:
-        assert base_dir == spec_file.parent  # a recipients_csv is relative to the spec file
-        calls.append((name, spec, actor))
-        conn.execute("update mail.campaign set subject = %s where name = %s", (spec["subject"], name))
-
-    monkeypatch.setattr(spec_module, "update_draft", update_draft, raising=False)
-    spec_file.write_text(SPEC.replace("NAME", name).replace("new practice packs", "packs updated"))
-    out = _json(capsys, ["campaign", "--actor", "ed", "update", str(spec_file), "--dsn", db_dsn])
-    assert out["subject"] == "{{ user.first_name }}, packs updated"
-    assert [(n, s["subject"], a) for n, s, a in calls] == [(name, "{{ user.first_name }}, packs updated", "ed")]
-    spec_file.write_text(SPEC.replace("NAME", "nope_cli"))
-    assert mailflow(["campaign", "update", str(spec_file), "--dsn", db_dsn]) == 2
-    assert capsys.readouterr().err == "error: LookupError: no campaign named 'nope_cli'\n"
-
-
-def test_update_without_update_draft_in_this_build_writes_nothing(db: psycopg.Connection, db_dsn: str,
-                                                                  spec_file: Path, capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    _json(capsys, ["campaign", "create", str(spec_file), "--dsn", db_dsn])
-    monkeypatch.delattr(spec_module, "update_draft", raising=False)
-    assert mailflow(["campaign", "update", str(spec_file), "--dsn", db_dsn]) == 2
-    assert "this build cannot update a draft" in capsys.readouterr().err
-
-
 def test_the_deprecated_module_runs_the_same_commands(db: psycopg.Connection, db_dsn: str, spec_file: Path, name: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert scheduled.main(["--dsn", db_dsn, "--actor", "old", "create", str(spec_file)]) == 0
@@ -169,7 +137,6 @@ def test_the_deprecated_module_runs_the_same_commands(db: psycopg.Connection, db
     assert capsys.readouterr().err == "error: LookupError: no campaign named 'x'\n"
 
 
-@pytest.mark.skipif(not hasattr(spec_module, "update_draft"), reason="update_draft is not in this build")
 def test_update_replaces_a_drafts_definition_and_refuses_a_provisioned_one(
         db: psycopg.Connection, db_dsn: str, spec_file: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
     _users(db, 2)

@@ -28,7 +28,7 @@ from mailflow.model.outcome import RunContext
 from mailflow.sources.scheduled.campaign_db import CampaignStateError, json_default
 from mailflow.sources.scheduled.control import cancel, complete, pause, resume, status
 from mailflow.sources.scheduled.provisioning import provision
-from mailflow.sources.scheduled.spec import create_campaign, load_spec, resolve_campaign
+from mailflow.sources.scheduled.spec import create_campaign, load_spec, resolve_campaign, update_draft
 
 #: ``ctx.meta`` keys (click shares ``meta`` with every nested context): the innermost ``--dsn`` /
 #: ``--actor`` given wins, so ``mailflow --dsn X campaign status N`` and ``... status N --dsn X`` agree
@@ -178,19 +178,11 @@ def create_command(conn: psycopg.Connection, actor: str | None, spec: Path | Non
 def update_command(conn: psycopg.Connection, actor: str | None, spec: Path, name: str | None) -> Any:
     """Replace a draft campaign's whole definition with SPEC; a campaign that left ``draft`` is
     refused (pause or cancel it instead). Prints its status."""
-    from mailflow.sources.scheduled import spec as spec_module
-
     data = load_spec(spec)
     name = name or str(data.get("name") or "")
     if not name:
         raise ValueError(f"{spec}: no name: give the spec a name or pass --name")
     cid = _campaign_id(conn, name)
-    # mailflow.sources.scheduled.spec.update_draft comes with the draft-editing model; a build
-    # without it says so instead of writing anything
-    update_draft = getattr(spec_module, "update_draft", None)
-    if update_draft is None:
-        raise LookupError("this build cannot update a draft (mailflow.sources.scheduled.spec.update_draft is "
-                          "missing); cancel the draft and create it again")
     update_draft(conn, name, data, actor=actor, base_dir=spec.parent)
     return status(conn, cid)
 
