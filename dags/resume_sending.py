@@ -46,8 +46,11 @@ with DAG(
     def resume(**context) -> dict:
         """Resume the scope; returns what changed (the scope, resumed_at, campaigns set back to scheduled)."""
         from mailflow.orchestration.reputation import resume_task
+        from mailflow.orchestration.run_conf import check_run_conf
         from mailflow.orchestration.tasks import send_log_connection
         from mailflow.store.migrate import require_current
+
+        check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
 
         with send_log_connection() as conn:
             require_current(conn)

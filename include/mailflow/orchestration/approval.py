@@ -1,0 +1,40 @@
+"""The approval step of ``provision_campaign``: Airflow's ``ApprovalOperator`` (a Required Action
+in the UI, answered there or through the REST API's ``hitlDetails``), with
+
+* the wait bounded per run by Param ``approval_timeout_hours`` (the operator's ``response_timeout``;
+  Airflow's scheduler applies the default answer, Reject, when it passes: an unanswered approval
+  expires like a rejection);
+* a rejection or an expiry recorded as a campaign event (``approval_rejected`` /
+  ``approval_expired``); the campaign stays as it was (a draft stays a draft, nothing scheduled).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.providers.standard.operators.hitl import ApprovalOperator
+
+from mailflow.orchestration.campaign_tasks import DEFAULT_APPROVAL_TIMEOUT_HOURS, actor, record_decision
+
+
+class CampaignApprovalOperator(ApprovalOperator):
+    """Approve provisioning a campaign (options Approve / Reject; default Reject on expiry)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("defaults", [ApprovalOperator.REJECT])
+        kwargs.setdefault("response_timeout", timedelta(hours=DEFAULT_APPROVAL_TIMEOUT_HOURS))
+        super().__init__(**kwargs)
+
+    def execute(self, context: Any) -> Any:
+        hours = context["params"].get("approval_timeout_hours")
+        if hours:
+            self.response_timeout = timedelta(hours=float(hours))
+        return super().execute(context)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        out = super().execute_complete(context=context, event=event)
+        approved = out["chosen_options"][0] == self.APPROVE
+        record_decision(str(context["params"]["campaign"]).strip(), approved, bool(event.get("timedout")),
+                        event.get("responded_by_user"), actor(context))
+        return out
