@@ -33,8 +33,9 @@ class CampaignApprovalOperator(ApprovalOperator):
         return super().execute(context)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
-        out = super().execute_complete(context=context, event=event)
-        approved = out["chosen_options"][0] == self.APPROVE
-        record_decision(str(context["params"]["campaign"]).strip(), approved, bool(event.get("timedout")),
-                        event.get("responded_by_user"), actor(context))
-        return out
+        chosen = event.get("chosen_options") or []
+        if "error" not in event and chosen and chosen[0] != self.APPROVE:
+            # recorded first: on a rejection the base class skips the downstream tasks by raising
+            record_decision(str(context["params"]["campaign"]).strip(), False, bool(event.get("timedout")),
+                            event.get("responded_by_user"), actor(context))
+        return super().execute_complete(context=context, event=event)
