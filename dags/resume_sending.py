@@ -14,6 +14,8 @@ and why (the required `reason`).
 * Same as `mailflow reputation resume --campaign NAME --reason TEXT`. Idempotent: resuming a scope
   that is not tripped changes nothing.
 * Connection: `send_log_db` (Postgres).
+* Run conf: a key that is not one of the Params below (a typo: `dryrun`) fails the run at once, without
+  retries, naming the nearest Param, before anything is read or sent.
 """
 
 from datetime import timedelta

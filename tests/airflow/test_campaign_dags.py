@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +109,8 @@ class Responder(threading.Thread):
         from airflow.models.hitl import HITLDetail
         from airflow.models.taskinstance import TaskInstance
         from airflow.models.trigger import handle_event_submit
-        from airflow.triggers.base import TriggerEvent
         from airflow.sdk import timezone
+        from airflow.triggers.base import TriggerEvent
         from airflow.utils.session import create_session
         from airflow.utils.state import TaskInstanceState
         from sqlalchemy import select
