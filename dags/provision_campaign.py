@@ -21,7 +21,8 @@ Tasks: `plan` -> `send_test_email` -> `approve` -> `provision`.
    expiry is recorded (`approval_rejected` / `approval_expired`), `provision` is skipped and the
    campaign stays as it was (a draft stays a draft; nothing is scheduled).
 4. **provision** (approved only): rows in chunks of `chunk_size`; a draft becomes `scheduled`.
-   Idempotent (rows `ON CONFLICT DO NOTHING`, continues after the checkpoint) and resumable (each
+   One provisioning at a time (`max_active_tis_per_dag=1`); runs waiting for their approval do not
+   block each other (`max_active_runs=16`). Idempotent (rows `ON CONFLICT DO NOTHING`, continues after the checkpoint) and resumable (each
    chunk and the checkpoint commit together).
 
 An unknown name, a cancelled or completed campaign, a stored definition that cannot be provisioned
@@ -65,7 +66,9 @@ with DAG(
     schedule=None,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
-    max_active_runs=1,
+    # a run waits for its approval for up to approval_timeout_hours: other campaigns' runs must not
+    # queue behind it; the provisioning itself runs one at a time (max_active_tis_per_dag)
+    max_active_runs=16,
     default_args=default_args(retries=3, retry_delay=timedelta(minutes=1)),
     tags=["email", "scheduled", "mailflow"],
     doc_md=__doc__,
@@ -106,7 +109,7 @@ with DAG(
         execution_timeout=timedelta(minutes=5),
     )
 
-    @task(execution_timeout=timedelta(minutes=30), outlets=[SEND_LOG])
+    @task(execution_timeout=timedelta(minutes=30), outlets=[SEND_LOG], max_active_tis_per_dag=1)
     def provision(**context) -> dict:
         """Provision the approved campaign; returns the provisioning summary."""
         from mailflow.orchestration.campaign_tasks import provision_task

@@ -171,7 +171,8 @@ def test_the_new_dags_import_and_follow_the_house_rules(dagbag: Any) -> None:
     assert dagbag.import_errors == {}
     for dag_id in ("campaign_create", "provision_campaign", "campaign_control"):
         dag = dagbag.dags[dag_id]
-        assert dag.timetable.can_be_scheduled is False and dag.catchup is False and dag.max_active_runs == 1
+        assert dag.timetable.can_be_scheduled is False and dag.catchup is False
+        assert dag.max_active_runs == (16 if dag_id == "provision_campaign" else 1)
         assert {"email", "scheduled", "mailflow"} <= set(dag.tags) and dag_id in dag.doc_md
         for task in dag.tasks:
             assert task.retries >= 1 and task.owner == "data-eng" and task.execution_timeout is not None, task
@@ -505,3 +506,10 @@ def test_unknown_conf_keys_names_the_nearest_declared_param() -> None:
     assert unknown_conf_keys(None, ["dry_run"]) == []
 
 
+
+
+def test_a_bad_test_address_is_refused_before_anything_is_read_or_sent() -> None:
+    from mailflow.sources.scheduled.test_email import send_test_email
+
+    with pytest.raises(ValueError, match=r"test_email_to 'approver\(at\)example.com' is not a valid address"):
+        send_test_email(None, None, 1, "approver(at)example.com", None, renderer=None)  # type: ignore[arg-type]

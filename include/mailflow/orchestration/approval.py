@@ -15,7 +15,7 @@ from typing import Any
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 
-from mailflow.orchestration.campaign_tasks import DEFAULT_APPROVAL_TIMEOUT_HOURS, actor, record_decision
+from mailflow.orchestration.campaign_tasks import DEFAULT_APPROVAL_TIMEOUT_HOURS, record_decision, task_path
 
 
 class CampaignApprovalOperator(ApprovalOperator):
@@ -37,5 +37,5 @@ class CampaignApprovalOperator(ApprovalOperator):
         if "error" not in event and chosen and chosen[0] != self.APPROVE:
             # recorded first: on a rejection the base class skips the downstream tasks by raising
             record_decision(str(context["params"]["campaign"]).strip(), False, bool(event.get("timedout")),
-                            event.get("responded_by_user"), actor(context))
+                            event.get("responded_by_user"), task_path(context))
         return super().execute_complete(context=context, event=event)

@@ -36,13 +36,17 @@ def _fail(message: str) -> Exception:
     return AirflowFailException(message)
 
 
+def task_path(context: Mapping[str, Any]) -> str:
+    """``<dag_id>/<run_id>/<task_id>`` of the task."""
+    ti = context.get("ti")
+    return f"{getattr(ti, 'dag_id', '?')}/{getattr(ti, 'run_id', '?')}/{getattr(ti, 'task_id', '?')}"
+
+
 def actor(context: Mapping[str, Any]) -> str:
     """Who acts, for campaign events: ``<user> via <dag_id>/<run_id>/<task_id>`` (the user who
     triggered the run, when Airflow knows it) or the task path alone."""
-    ti = context.get("ti")
-    path = f"{getattr(ti, 'dag_id', '?')}/{getattr(ti, 'run_id', '?')}/{getattr(ti, 'task_id', '?')}"
     user = getattr(context.get("dag_run"), "triggering_user_name", None)
-    return f"{user} via {path}" if user else path
+    return f"{user} via {task_path(context)}" if user else task_path(context)
 
 
 def campaign_by_name(conn: psycopg.Connection, name: Any) -> dict[str, Any]:
@@ -260,7 +264,8 @@ def test_email_task(context: Mapping[str, Any]) -> dict[str, Any]:
 def record_decision(campaign: str, approved: bool, timed_out: bool, responder: Any, who: str) -> None:
     """Record an approval that did not approve as a campaign event (``approval_rejected`` or
     ``approval_expired``; the status is unchanged: a draft stays a draft). An approval is
-    recorded by the provisioning that follows it (``draft -> scheduled``)."""
+    recorded by the provisioning that follows it (``draft -> scheduled``). The event's actor is
+    ``<responder> via <who>`` (``who``: the approval task's path; an expiry has no responder)."""
     if approved:
         return
     from mailflow.orchestration.tasks import send_log_connection
