@@ -513,3 +513,33 @@ def test_a_bad_test_address_is_refused_before_anything_is_read_or_sent() -> None
 
     with pytest.raises(ValueError, match=r"test_email_to 'approver\(at\)example.com' is not a valid address"):
         send_test_email(None, None, 1, "approver(at)example.com", None, renderer=None)  # type: ignore[arg-type]
+
+
+def test_the_plan_counts_what_the_contact_policy_would_hold_back_now(campaign_db: psycopg.Connection) -> None:
+    """lifecycle.toml's policy: a 7-day cooldown and at most 3 emails in 28 days."""
+    from mailflow.sources.scheduled.preview import policy_holdback
+
+    cid = _create(campaign_db, 8)
+    campaign_db.execute("insert into mail.send_log (user_id, campaign, email, status, sent_at, provider_message_id)"
+                        " values (2, 'welcome', 'ui2@example.com', 'sent', now() - interval '1 day', 'p1'),"
+                        " (4, 'welcome', 'ui4@example.com', 'sent', now() - interval '8 days', 'p2'),"
+                        " (4, 'first_practice', 'ui4@example.com', 'sent', now() - interval '15 days', 'p3'),"
+                        " (4, 'upgrade_offer', 'ui4@example.com', 'sent', now() - interval '22 days', 'p4'),"
+                        " (5, 'welcome', 'ui5@example.com', 'sent', now() - interval '30 days', 'p5')")
+    campaign_db.execute("insert into mail.suppression (user_id, scope, source) values (6, %s, 'test')", (NAME,))
+    campaign_db.execute("insert into mail.suppression (user_id, scope, source) values (7, 'other_campaign', 'test')")
+    campaign_db.execute("update app.users set email = 'not an address' where user_id = 8")
+
+    with psycopg.connect(campaign_db.info.dsn) as conn:
+        hb = policy_holdback(conn, cid, now=datetime.now(UTC))
+
+    assert (hb.checked, hb.suppressed, hb.cooldown, hb.capped, hb.invalid, hb.held) == (8, 1, 1, 1, 1, 4)
+    assert [e.split(":")[0] for e in hb.examples] == ["user 8", "user 6", "user 2", "user 4"]
+    assert hb.examples[1] == "user 6: suppressed"
+    assert "cooldown" in hb.examples[2] and "row 1 (welcome, sent" in hb.examples[2]
+    assert "frequency cap" in hb.examples[3]
+    with psycopg.connect(campaign_db.info.dsn) as conn:
+        conn.execute("update mail.campaign set on_policy = 'ignore'")
+        conn.commit()
+        ignored = policy_holdback(conn, cid, now=datetime.now(UTC))
+    assert (ignored.suppressed, ignored.cooldown, ignored.capped, ignored.held) == (1, 0, 0, 2)
