@@ -319,6 +319,8 @@ def test_provision_by_name_with_a_test_email_and_approval(
     hb = plan["holdback"]
     assert (hb["checked"], hb["suppressed"], hb["cooldown"], hb["capped"], hb["held"]) == (12, 1, 0, 0, 1)
     assert plan["sample"]["user_id"] == 1 and plan["sample"]["subject"] == "Hello N1"
+    assert plan["sample"]["text"].startswith("Hi N1,")
+    assert "/u/<user 1's token>" in plan["sample"]["text"] and "/u/k1." not in plan["sample"]["text"]
     # the approver saw the plan, the hold-back, the sample and the test email
     assert answered.subject == f"Provision campaign {NAME}?"
     assert answered.body is not None

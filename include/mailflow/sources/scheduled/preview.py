@@ -156,8 +156,9 @@ def first_recipient(conn: psycopg.Connection, c: dict[str, Any],
 def sample_email(conn: psycopg.Connection, campaign_id: int, renderer: Renderer,
                  folder: CampaignFolder | None = None) -> dict[str, Any] | None:
     """The email the campaign's first recipient would get, rendered by ``renderer``:
-    ``{"user_id", "subject", "text", "email"}`` (``email``: the whole Resend email object), or None
-    for a campaign without recipients. Read-only.
+    ``{"user_id", "subject", "text", "email"}`` (``email``: the whole Resend email object; ``text``
+    its text body with the recipient's unsubscribe link blanked out, for showing to people), or
+    None for a campaign without recipients. Read-only.
 
     :raises LookupError: if the campaign does not exist.
     :raises mailflow.sendloop.render.RenderError: naming the template and the user, if it cannot render.
@@ -176,4 +177,7 @@ def sample_email(conn: psycopg.Connection, campaign_id: int, renderer: Renderer,
     import json
 
     [mail] = json.loads(batch.body)
-    return {"user_id": uid, "subject": mail["subject"], "text": mail["text"], "email": mail}
+    # the sample is shown to people (the approval): its unsubscribe link must not work for the user
+    link = f"{renderer.public_url}/u/{renderer.signer.token(uid, campaign.name, issued=renderer.issued_on)}"
+    text = str(mail["text"]).replace(link, f"{renderer.public_url}/u/<user {uid}'s token>")
+    return {"user_id": uid, "subject": mail["subject"], "text": text, "email": mail}
