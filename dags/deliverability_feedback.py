@@ -24,6 +24,8 @@ which stores and applies them at once: hard bounces and complaints are suppresse
   connection with a full-access key; default `resend_default`.
 * Connections: `send_log_db`, `MAILFLOW_FEEDBACK_CONN_ID` (default `resend_default`). Pool `email_provider`
   (the poll only).
+* Run conf: a key that is not one of the Params below (a typo: `dryrun`) fails the run at once, without
+  retries, naming the nearest Param, before anything is read or sent.
 """
 
 from datetime import timedelta

@@ -24,6 +24,8 @@ worker hand-off (seconds, more under load) and needs a triggerer, for no gain ov
   and are resent with that key only (by `reconcile_send_log`) until a 2xx answers it.
 * Paused campaigns are skipped (their plan is kept); campaigns with nothing left become `completed`.
 * Connections: `send_log_db`, `resend_default`, `mail_unsubscribe`. Pool `email_provider`.
+* Run conf: a key that is not one of the Params below (a typo: `dryrun`) fails the run at once, without
+  retries, naming the nearest Param, before anything is read or sent.
 """
 
 from datetime import timedelta

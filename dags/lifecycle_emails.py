@@ -20,6 +20,8 @@ sends each chunk as one `POST /emails/batch` and reconciles rejections by index.
   file and the field) and read again by every run; each batch records the campaign's content hash.
 * Connections: `send_log_db` (Postgres), `resend_default` (API key = password), `mail_unsubscribe`.
 * Pool `email_provider` bounds concurrent send tasks; the shared pacer in Postgres enforces the rate.
+* Run conf: a key that is not one of the Params below (a typo: `dryrun`) fails the run at once, without
+  retries, naming the nearest Param, before anything is read or sent.
 """
 
 from datetime import timedelta

@@ -13,6 +13,9 @@ Every 30 minutes, repair what crashes and unknown provider outcomes left in `mai
 * dead letters alert through the configured notifier (`MAILFLOW_ALERT`: log, smtp or slack).
 
 Running it twice changes nothing the second time: every change is guarded on the current state.
+
+* Run conf: a key that is not one of the Params below (a typo: `dryrun`) fails the run at once, without
+  retries, naming the nearest Param, before anything is read or sent.
 """
 
 from datetime import timedelta

@@ -14,6 +14,8 @@ and why (the required `reason`).
 * Same as `mailflow reputation resume --campaign NAME --reason TEXT`. Idempotent: resuming a scope
   that is not tripped changes nothing.
 * Connection: `send_log_db` (Postgres).
+* Run conf: a key that is not one of the Params below (a typo: `dryrun`) fails the run at once, without
+  retries, naming the nearest Param, before anything is read or sent.
 """
 
 from datetime import timedelta
@@ -46,8 +48,11 @@ with DAG(
     def resume(**context) -> dict:
         """Resume the scope; returns what changed (the scope, resumed_at, campaigns set back to scheduled)."""
         from mailflow.orchestration.reputation import resume_task
+        from mailflow.orchestration.run_conf import check_run_conf
         from mailflow.orchestration.tasks import send_log_connection
         from mailflow.store.migrate import require_current
+
+        check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
 
         with send_log_connection() as conn:
             require_current(conn)

@@ -3,7 +3,6 @@ and call the engine. DAG files import this lazily, inside tasks, so parsing stay
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from mailflow.feedback.unsubscribe_tokens import UnsubscribeSigner, signer_from_
 from mailflow.masking import mask_connection
 from mailflow.model.outcome import DataInterval, RunContext
 from mailflow.orchestration import metrics
+from mailflow.orchestration.run_conf import check_run_conf
 
 if TYPE_CHECKING:
     from mailflow.campaigns import CampaignFolder
@@ -146,6 +146,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     of names; empty = all), ``dry_run`` (audience counts and a rendered sample, nothing minted),
     ``allow_old_interval`` (a backfill of an interval older than a campaign's max_interval_age sends).
     """
+    check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
     from airflow.sdk.exceptions import AirflowFailException
 
     from mailflow.model.outcome import SendError
@@ -211,6 +212,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     Params: ``stale_after_seconds`` (default MAILFLOW_STALE_AFTER_SECONDS or 900),
     ``time_budget_seconds``. (Whole-request failures never charge users, so there is no attempts cap.)
     """
+    check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
 
     from mailflow.orchestration.alerts import dead_letter_alert, held_batch_alert, key_refused_alert
     from mailflow.provider.hook import ResendHook
@@ -273,26 +275,19 @@ def _run_context(context: Mapping[str, Any]) -> RunContext:
 
 
 def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``provision_campaign`` DAG's task: Params ``campaign_id`` (int), ``dry_run`` (bool),
-    ``chunk_size`` (recipients per transaction). Returns the :class:`ProvisionSummary` as a dict."""
-    from mailflow.sources.scheduled.provisioning import provision
-    from mailflow.store.migrate import require_current
+    """The ``provision_campaign`` DAG's ``provision`` task (after its approval):
+    :func:`mailflow.orchestration.campaign_tasks.provision_task`, listed here with the other task
+    entry points."""
+    from mailflow.orchestration.campaign_tasks import provision_task as provision_approved
 
-    params = context["params"]
-    with send_log_connection() as conn:
-        require_current(conn)
-        summary = provision(conn, int(params["campaign_id"]), now=datetime.now(UTC),
-                            chunk=int(params.get("chunk_size") or 5000), dry_run=bool(params.get("dry_run")),
-                            run=_run_context(context), folder=campaign_folder(context))
-    out = summary.as_dict()
-    log.info("provisioning summary: %s", json.dumps(out))
-    return out
+    return provision_approved(context)
 
 
 def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """The ``dispatch_scheduled_emails`` DAG's task: Params ``time_budget_seconds``,
     ``coalesce_seconds``. Builds the renderer and the paced Resend client from the connections and
     calls :func:`dispatch`. Returns the :class:`DispatchSummary` as a dict."""
+    check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
     from mailflow.provider.hook import ResendHook
     from mailflow.sources.scheduled.dispatcher import COALESCE_SECONDS, DISPATCH_BUDGET_SECONDS, dispatch
     from mailflow.store.migrate import require_current
@@ -349,6 +344,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
         retried; a sending-only key: use a full-access key, ``MAILFLOW_FEEDBACK_CONN_ID`` may name
         its own connection).
     """
+    check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
     from mailflow.feedback.deliverability import request_budget
     from mailflow.provider.hook import ResendHook
     from mailflow.store.migrate import require_current
@@ -393,6 +389,7 @@ def feedback_task(context: dict[str, Any]) -> dict[str, Any]:
 def webhook_sweep_task(context: dict[str, Any]) -> dict[str, Any]:
     """The ``deliverability_feedback`` DAG's sweep: apply webhook events still waiting for their email
     (:func:`mailflow.orchestration.webhooks.sweep_task`; Params ``sweep_limit``, ``give_up_hours``)."""
+    check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
     from mailflow.orchestration.webhooks import sweep_task
     from mailflow.store.migrate import require_current
 
@@ -406,6 +403,7 @@ def webhook_alert_task(context: dict[str, Any]) -> dict[str, Any]:
     """The ``deliverability_feedback`` DAG's alerts: new webhook mismatches, failures and unknown emails,
     and the reputation guard's new trips (:func:`mailflow.orchestration.reputation.reputation_alerts`:
     one alert naming each tripped scope's rates and sample). Returns the counts and the trip lines."""
+    check_run_conf(context)  # a conf key that is no Param (a typo) fails before anything is done
     from mailflow.orchestration.reputation import reputation_alerts
     from mailflow.orchestration.webhooks import alert_task
 
