@@ -14,7 +14,7 @@ import psycopg
 from mailflow.campaigns import Campaign, CampaignFolder, load_policy, scheduled_content_hash
 from mailflow.model.outcome import MintedRow
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.provisioning import _MIN_BIGINT, recipient_source, _snapshot
+from mailflow.sources.scheduled.provisioning import _MIN_BIGINT, _snapshot, recipient_source
 from mailflow.store.contact_guard import load_contacts
 from mailflow.store.policy import evaluate, normalise_address
 from mailflow.store.scheduled import ScheduledStore
