@@ -490,6 +490,24 @@ def test_a_dryrun_typo_in_the_conf_fails_lifecycle_emails_before_anything_is_sen
     assert conns.read_outbox() == []
 
 
+@pytest.mark.airflow
+def test_lifecycle_emails_refuses_a_lifecycle_name_a_scheduled_campaign_has_without_retries(
+    airflow_db: Path, db: psycopg.Connection, conns: EmulatorProcess, dagbag: Any,
+) -> None:
+    # a row written before names were checked across kinds (create_campaign refuses it now)
+    _users(db, 5)
+    db.execute("insert into mail.campaign (name, template, subject, from_address, recipients_sql)"
+               " values ('first_practice', 'outreach', 's', 'a@example.com', 'free_plan_users')")
+    dr = dagbag.dags["lifecycle_emails"].test(
+        logical_date=datetime.now(UTC).replace(minute=0, second=0, microsecond=0))
+
+    assert dr.state == "failed"
+    ti = _ti(dr, "send_campaigns")
+    assert (ti.state, ti.try_number) == ("failed", 1)
+    assert db.execute("select count(*) from mail.send_log").fetchone() == (0,)
+    assert conns.read_outbox() == []
+
+
 @pytest.mark.parametrize("dag_id", ["lifecycle_emails", "dispatch_scheduled_emails", "reconcile_send_log",
                                     "deliverability_feedback", "resume_sending", "campaign_create",
                                     "provision_campaign", "campaign_control"])

@@ -153,6 +153,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     from mailflow.provider.hook import ResendHook
     from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.migrate import require_current
+    from mailflow.store.scheduled import check_name_collisions
     from mailflow.store.send_log import PostgresStore
 
     params = context["params"]
@@ -171,6 +172,10 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     with send_log_connection() as conn:
         conn.autocommit = True  # every unit of work below is an explicit, committed transaction
         require_current(conn)
+        try:
+            check_name_collisions(conn, [c.name for c in campaigns])
+        except ValueError as exc:
+            raise AirflowFailException(str(exc)) from None  # a definition to fix: a retry would fail the same way
         store = PostgresStore(conn)
         if params.get("dry_run"):
             return store.preview(campaigns, interval, renderer, sample=3)
