@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from mailflow.store import counters
 from mailflow.store.send_log import mask_email
-from mailflow.store.sql import query
 
 _EMAIL = re.compile(r"[^\s<>\"'`(),;:\[\]]+@[^\s<>\"'`(),;:\[\]]+")
 
@@ -201,24 +201,18 @@ def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any] | None = No
         return [{k: plain_value(v) for k, v in r.items()} for r in cur.fetchall()]
 
 
-def counters_seeded(conn: psycopg.Connection) -> bool:
-    """Whether the counters of migration 0028 hold the whole send log (else the views are read)."""
-    row = conn.execute(query("counters", "seeded")).fetchone()
-    return bool(row and row[0])
-
-
 def _progress(conn: psycopg.Connection, name: str | None = None) -> list[dict[str, Any]]:
     """``mail.campaign_progress`` rows (its columns, by campaign): every campaign, or only ``name``."""
-    if counters_seeded(conn):
-        return _rows(conn, query("counters", "progress"), {"campaign": name})
+    if counters.seeded(conn):
+        return [{k: plain_value(v) for k, v in r.items()} for r in counters.progress(conn, name)]
     return _rows(conn, ONE_SQL if name else LIST_SQL, {"campaign": name} if name else None)
 
 
 def _outcomes(conn: psycopg.Connection, name: str | None = None) -> list[dict[str, Any]]:
     """``mail.campaign_outcomes`` rows (the columns of :data:`OUTCOMES_ALL_SQL` and ``campaign``)."""
-    if counters_seeded(conn):
+    if counters.seeded(conn):
         keep = ("campaign", *NO_OUTCOMES)
-        return [{k: r[k] for k in keep} for r in _rows(conn, query("counters", "outcomes"), {"campaign": name})]
+        return [{k: plain_value(r[k]) for k in keep} for r in counters.outcomes(conn, name)]
     return _rows(conn, OUTCOMES_ONE_SQL if name else OUTCOMES_ALL_SQL, {"campaign": name} if name else None)
 
 
