@@ -27,12 +27,31 @@ import uuid
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
-from bench.write_path import KEYS, _chunk, _mint_keyed
+from bench.write_path import KEYS, _chunk
 from mailflow.orchestration.ui import progress_queries as page
 from mailflow.store.sql import query
 
 TRIGGERS = ("send_log_count_insert", "send_log_count_update", "send_log_count_delete")
+
+
+def _mint_keyed(conn: psycopg.Connection, who: dict[str, Any], users: range, tag: str) -> list[int]:
+    """The engine's lifecycle mint of one chunk (mint.allocate, mint.mint_keyed with its event, the batch bytes)."""
+    row = conn.execute(query("mint", "allocate"), {"n": len(users)}).fetchone()
+    assert row is not None
+    ids = [int(i) for i in row[0]]
+    key = f"cb-{tag}-{row[1]}"
+    page = [{"id": i, "user_id": u, "email": f"new{u}@example.com", "email_key": f"new{u}@example.com",
+             "context": {}, "idx": n} for n, (i, u) in enumerate(zip(ids, users, strict=True))]
+    got = conn.execute(query("mint", "mint_keyed"), who | {
+        "campaign": "first_practice", "page": Jsonb(page), "key": key,
+        "interval_start": None, "interval_end": None}).fetchall()
+    conn.execute(query("mint", "save_batch_keyed"), {
+        "key": key, "campaign": "first_practice", "count": len(ids), "body": b"[]", "validation": "strict",
+        "key_identity": None, "content_hash": None})
+    assert len(got) == len(ids)
+    return ids
 
 
 def _ms(conn: psycopg.Connection, fn: Any, repeat: int) -> float:
