@@ -6,8 +6,9 @@ On an existing populated database (``--dsn``; e.g. :func:`bench.population.load`
 
 * **page**: median ms (``--repeat`` runs, 5 by default) of each of the page's count queries read the
   old way (``mail.campaign_progress`` and ``mail.campaign_outcomes``, every campaign and the largest
-  one) and from the counters (``counters.progress`` / ``counters.outcomes``), and of the page's whole
-  list / campaign loads (``progress_queries.load_list`` / ``load_campaign``);
+  one) and from the counters (``counters.progress`` / ``counters.outcomes``), the day table
+  (``mail.campaign_daily`` vs ``counters.latest_days``), and of the page's whole list / campaign loads
+  (``progress_queries.load_list`` / ``load_campaign``), in a session without JIT as the page's;
 * **seed**: the first fold after the upgrade (one full count), timed once (the counters are rebuilt);
 * **write path**: the engine's mint (``mint.allocate`` + ``mint.mint_keyed`` + its batch bytes) and
   apply (``send_log.mark_sent``) of a chunk of 100, median ms and WAL bytes per chunk, with the
@@ -83,7 +84,9 @@ def page_queries(conn: psycopg.Connection, repeat: int) -> dict[str, float]:
         "page: load_campaign (with days)": lambda: page.load_campaign(conn, big[0], show=False),
         "page: recent": lambda: conn.execute(page.RECENT_SQL, one | {"limit": 20}).fetchall(),
         "page: errors": lambda: conn.execute(page.ERRORS_SQL, one | {"limit": 20}).fetchall(),
-        "page: days": lambda: conn.execute(page.DAYS_SQL, one | {"days": 14}).fetchall(),
+        "view: days (campaign_daily, 14 latest)": lambda: conn.execute(page.DAYS_SQL, one | {"days": 14}).fetchall(),
+        "counters: latest_days (14)": lambda: conn.execute(query("counters", "latest_days"),
+                                                           one | {"days": 14}).fetchall(),
     }
     out = {"campaign": big[0]}
     for name, fn in q.items():
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dsn:
         p.error("--dsn (a populated, migrated database) is required")
     with psycopg.connect(a.dsn, autocommit=True) as conn:
+        conn.execute("set jit = off")  # as the page's session (progress.send_log_readonly)
         sizes = conn.execute("select (select count(*) from mail.send_log), (select count(*) from mail.delivery_status),"
                              " (select count(distinct campaign) from mail.campaign_counter),"
                              " pg_size_pretty(pg_total_relation_size('mail.send_log'))").fetchone()

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from mailflow.orchestration.ui import progress_queries as page
 from mailflow.store.sql import query
 
 CAMPAIGNS = ("lc_a", "lc_b", "sc_c")
@@ -47,9 +48,12 @@ def assert_counters_exact(conn: psycopg.Connection) -> None:
     view_o = _by_campaign(conn, "select * from mail.campaign_outcomes", None, OUTCOME_COLUMNS)
     counted_o = _by_campaign(conn, query("counters", "outcomes"), {"campaign": None}, OUTCOME_COLUMNS)
     assert counted_o == view_o
-    for name in CAMPAIGNS:  # the page's one-campaign form reads the same numbers
+    for name in CAMPAIGNS:  # the page's one-campaign form and its day table read the same numbers
         one = _by_campaign(conn, query("counters", "progress"), {"campaign": name}, COUNTED)
         assert one == {k: v for k, v in view.items() if k == name}
+        params = {"campaign": name, "days": 14}
+        assert conn.execute(query("counters", "latest_days"), params).fetchall() == conn.execute(
+            page.DAYS_SQL, params).fetchall()
 
 
 def fold(conn: psycopg.Connection) -> int | None:

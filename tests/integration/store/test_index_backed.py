@@ -207,3 +207,24 @@ def test_the_counters_equal_the_views_on_the_big_send_log(big: psycopg.Connectio
             "invalid", "holdout", "last_sent_at", "next_due_at", "last_due_at", "first_minted_at")
     counted = [tuple(r[names.index(c)] for c in cols) for r in cur.fetchall()]
     assert counted == view and len(view) == 10
+
+
+@pytest.mark.parametrize("days", [14, 3, 1])
+def test_the_page_day_table_equals_campaign_daily(big: psycopg.Connection, days: int) -> None:
+    for (campaign,) in big.execute("select distinct campaign from mail.send_log").fetchall():
+        params = {"campaign": campaign, "days": days}
+        got = big.execute(query("counters", "latest_days"), params).fetchall()
+        assert got == big.execute(progress.DAYS_SQL, params).fetchall(), campaign
+        assert len(got) == days
+
+
+def test_the_page_day_table_reads_the_latest_days_not_the_history(big: psycopg.Connection) -> None:
+    # practice_tips: 20,000 rows over two years; its 14 latest days are a few percent of them
+    with big.transaction(force_rollback=True):
+        big.execute("set local jit = off")
+        [[doc]] = big.execute("explain (analyze, format json) " + query("counters", "latest_days"),
+                              {"campaign": "practice_tips", "days": 14}).fetchall()
+    nodes = _actual((doc if isinstance(doc, list) else json.loads(doc))[0]["Plan"])
+    read = [(t, i, n) for t, rel, i, n in nodes if rel == "send_log"]
+    assert all(t.startswith("Index") or t == "Bitmap Heap Scan" for t, _, _ in read), read
+    assert sum(n for _, _, n in read) < 4_000, read  # failed rows (4%), 44 days of mints and sends, probes

@@ -18,6 +18,7 @@ from psycopg.rows import dict_row
 
 from mailflow.store import counters
 from mailflow.store.send_log import mask_email
+from mailflow.store.sql import query
 
 _EMAIL = re.compile(r"[^\s<>\"'`(),;:\[\]]+@[^\s<>\"'`(),;:\[\]]+")
 
@@ -38,6 +39,8 @@ OUTCOMES_ONE_SQL = OUTCOMES_ALL_SQL + "where campaign = %(campaign)s\n"
 NO_OUTCOMES = {"delivered": 0, "hard_bounced": 0, "complained": 0, "no_outcome_yet": 0, "delivered_rate": None,
                "hard_bounce_rate": None, "complaint_rate": None, "open_rate": None, "click_rate": None,
                "guard_state": "ok", "guard_reason": None, "account_guard_state": "ok", "account_guard_reason": None}
+# The view's way of reading a campaign's latest days (it groups the campaign's whole history); the page reads
+# the same rows through counters.latest_days.
 DAYS_SQL = """
 select day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users, duplicate, skipped,
        holdout
@@ -262,5 +265,6 @@ def load_campaign(conn: psycopg.Connection, name: str, *, show: bool, days: bool
             e["error"] = mask_text(e["error"])
     out = {"progress": found[0], "recent": recent, "errors": errors, "active": bool(found[0]["active"])}
     if days:
-        out["days"] = _rows(conn, DAYS_SQL, params)
+        # mail.campaign_daily's latest rows without grouping the campaign's whole history (same numbers)
+        out["days"] = _rows(conn, query("counters", "latest_days"), params)
     return out

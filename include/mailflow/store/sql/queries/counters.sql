@@ -147,3 +147,90 @@ cross join lateral (
     from mail.reputation_guard r
     where r.scope = 'account' and r.state = 'tripped') as a
 order by k.campaign
+
+-- name: latest_days
+-- The campaign page's day table: mail.campaign_daily's rows of %(campaign)s for its %(days)s latest days
+-- (day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users, duplicate,
+-- skipped, holdout; latest first), the same numbers as the view, without grouping the campaign's whole
+-- history. Every event of a day on or after the cut-off instant `since` is read, so those days are exact:
+-- `since` is 2 days before the start of the (3 * days - 2)-th latest UTC day with an event (a local day of
+-- at most 25 hours touches at most 3 UTC days, so the latest days - 1 local days cover fewer UTC days than
+-- that, and the latest `days` local days all start after `since`). Bounded reads: the latest UTC days of
+-- minted_at and sent_at by skip scans of send_log_campaign_minted_idx / send_log_campaign_sent_idx (one
+-- probe per day), rows minted or sent since the cut-off (the same ranges), and the campaign's failed and
+-- closed (cancelled, duplicate, skipped) rows, whose event may come long after minting (their indexes).
+with recursive minted_day (d) as (
+    select date_trunc('day', max(l.minted_at) at time zone 'UTC')
+    from mail.send_log l where l.campaign = %(campaign)s
+    union all
+    select (select date_trunc('day', max(l.minted_at) at time zone 'UTC') from mail.send_log l
+            where l.campaign = %(campaign)s and l.minted_at < (m.d at time zone 'UTC'))
+    from minted_day m
+    where m.d is not null
+), sent_day (d) as (
+    select date_trunc('day', max(l.sent_at) at time zone 'UTC')
+    from mail.send_log l where l.campaign = %(campaign)s and l.status = 'sent'
+    union all
+    select (select date_trunc('day', max(l.sent_at) at time zone 'UTC') from mail.send_log l
+            where l.campaign = %(campaign)s and l.status = 'sent' and l.sent_at < (s.d at time zone 'UTC'))
+    from sent_day s
+    where s.d is not null
+), failed as materialized (
+    select l.campaign, l.kind, l.user_id, x.what, x.at
+    from mail.send_log l
+    cross join lateral (values
+        ('failed', case when l.released_at is null then coalesce(l.dead_lettered_at, l.claimed_at, l.minted_at) end),
+        ('rolled_back', l.released_at),
+        ('dead_lettered', l.dead_lettered_at)
+    ) as x (what, at)
+    where l.campaign = %(campaign)s and l.status = 'failed' and x.at is not null
+), closed as materialized (
+    select l.campaign, l.kind, l.user_id, l.status as what,
+           coalesce((select min(e.at) from mail.send_event e
+                     where e.send_log_id = l.id and e.to_status = l.status), l.minted_at) as at
+    from mail.send_log l
+    where l.campaign = %(campaign)s and l.status in ('cancelled', 'duplicate', 'skipped')
+), utc_days as (
+    select d from (select m.d from minted_day m limit 3 * %(days)s) m0 where d is not null
+    union
+    select d from (select s.d from sent_day s limit 3 * %(days)s) s0 where d is not null
+    union
+    select date_trunc('day', f.at at time zone 'UTC') from failed f
+    union
+    select date_trunc('day', c.at at time zone 'UTC') from closed c
+), cut as (
+    select coalesce((select (u.d at time zone 'UTC') - interval '2 days' from utc_days u
+                     order by u.d desc offset 3 * %(days)s - 3 limit 1), '-infinity'::timestamptz) as since
+), a as (
+    select l.campaign, l.kind, l.user_id, 'minted' as what, l.minted_at as at
+    from mail.send_log l where l.campaign = %(campaign)s and l.minted_at >= (select since from cut)
+    union all
+    select l.campaign, l.kind, l.user_id, 'sent', l.sent_at
+    from mail.send_log l
+    where l.campaign = %(campaign)s and l.status = 'sent' and l.sent_at >= (select since from cut)
+    union all
+    select f.campaign, f.kind, f.user_id, f.what, f.at from failed f where f.at >= (select since from cut)
+    union all
+    select c.campaign, c.kind, c.user_id, c.what, c.at from closed c where c.at >= (select since from cut)
+    union all
+    select l.campaign, l.kind, l.user_id, 'holdout', l.minted_at
+    from mail.send_log l
+    where l.campaign = %(campaign)s and l.status = 'holdout' and l.minted_at >= (select since from cut)
+)
+select (a.at at time zone coalesce(c.timezone, 'UTC'))::date               as day,
+       coalesce(c.timezone, 'UTC')                                         as timezone,
+       count(*) filter (where a.what = 'minted')                           as minted,
+       count(*) filter (where a.what = 'sent')                             as sent,
+       count(*) filter (where a.what = 'failed')                           as failed,
+       count(*) filter (where a.what = 'rolled_back')                      as rolled_back,
+       count(*) filter (where a.what = 'cancelled')                        as cancelled,
+       count(*) filter (where a.what = 'dead_lettered')                    as dead_lettered,
+       count(distinct a.user_id)                                           as unique_users,
+       count(*) filter (where a.what = 'duplicate')                        as duplicate,
+       count(*) filter (where a.what = 'skipped')                          as skipped,
+       count(*) filter (where a.what = 'holdout')                          as holdout
+from a
+left join mail.campaign c on a.kind = 'scheduled' and c.name = a.campaign
+group by a.kind, coalesce(c.timezone, 'UTC'), (a.at at time zone coalesce(c.timezone, 'UTC'))::date
+order by day desc
+limit %(days)s
