@@ -10,10 +10,10 @@ On an existing populated database (``--dsn``; e.g. :func:`bench.population.load`
   (``mail.campaign_daily`` vs ``counters.latest_days``), and of the page's whole list / campaign loads
   (``progress_queries.load_list`` / ``load_campaign``), in a session without JIT as the page's;
 * **seed**: the first fold after the upgrade (one full count), timed once (the counters are rebuilt);
-* **write path**: the engine's mint (``mint.allocate`` + ``mint.mint_keyed`` + its batch bytes) and
-  apply (``send_log.mark_sent``) of a chunk of 100, median ms and WAL bytes per chunk, with the
-  counting triggers enabled and disabled in ABBA rounds (``--chunks`` per measure, 60 by default); the
-  counters are seeded again afterwards (the rounds without triggers left them behind).
+* **write path**: the engine's mint (``mint.mint_keyed``) and apply (``send_log.mark_sent``) of a chunk of
+  100, server-side execution ms (``EXPLAIN ANALYZE``: the client's timing on a shared machine is mostly
+  noise), with the counting triggers enabled and disabled alternately (ABBA per chunk, ``--chunks``,
+  120 by default, each rolled back), and the trigger functions' own time.
 
 ``python -m bench.counters --dsn DSN [--repeat N] [--chunks N]``; not part of ``make bench``.
 """
@@ -24,35 +24,15 @@ import argparse
 import os
 import statistics
 import time
-import uuid
 from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from bench.write_path import KEYS, _chunk
 from mailflow.orchestration.ui import progress_queries as page
 from mailflow.store.sql import query
 
 TRIGGERS = ("send_log_count_insert", "send_log_count_update", "send_log_count_delete")
-
-
-def _mint_keyed(conn: psycopg.Connection, who: dict[str, Any], users: range, tag: str) -> list[int]:
-    """The engine's lifecycle mint of one chunk (mint.allocate, mint.mint_keyed with its event, the batch bytes)."""
-    row = conn.execute(query("mint", "allocate"), {"n": len(users)}).fetchone()
-    assert row is not None
-    ids = [int(i) for i in row[0]]
-    key = f"cb-{tag}-{row[1]}"
-    page = [{"id": i, "user_id": u, "email": f"new{u}@example.com", "email_key": f"new{u}@example.com",
-             "context": {}, "idx": n} for n, (i, u) in enumerate(zip(ids, users, strict=True))]
-    got = conn.execute(query("mint", "mint_keyed"), who | {
-        "campaign": "first_practice", "page": Jsonb(page), "key": key,
-        "interval_start": None, "interval_end": None}).fetchall()
-    conn.execute(query("mint", "save_batch_keyed"), {
-        "key": key, "campaign": "first_practice", "count": len(ids), "body": b"[]", "validation": "strict",
-        "key_identity": None, "content_hash": None})
-    assert len(got) == len(ids)
-    return ids
 
 
 def _ms(conn: psycopg.Connection, fn: Any, repeat: int) -> float:
@@ -107,32 +87,46 @@ def seed(conn: psycopg.Connection) -> float:
 
 
 def write_path(conn: psycopg.Connection, chunks: int) -> dict[str, dict[str, float]]:
-    """Median mint / apply ms and WAL bytes per chunk with and without the counting triggers (ABBA)."""
-    rounds: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
-    user = 50_000_000
-    for label in ("with", "without", "without", "with"):
-        verb = "enable" if label == "with" else "disable"
-        for t in TRIGGERS:
-            conn.execute(f"alter table mail.send_log {verb} trigger {t}")
-        tag = uuid.uuid4().hex[:6]
-        samples = []
-        for i in range(5 + chunks):
-            s = _chunk(conn, user, tag, _mint_keyed)
-            user += 100
-            if i >= 5:
-                samples.append(s)
-        rounds[label].append({k: statistics.median(s[j] for s in samples) for j, k in enumerate(KEYS)})
-        print(f"  {label}: {rounds[label][-1]}", flush=True)
-    for t in TRIGGERS:
-        conn.execute(f"alter table mail.send_log enable trigger {t}")
-    return {label: {k: round(statistics.mean(r[k] for r in rs), 2) for k in KEYS} for label, rs in rounds.items()}
+    """Server-side execution ms (``EXPLAIN ANALYZE``) of the engine's mint (``mint.mint_keyed``) and apply
+    (``send_log.mark_sent``) of a chunk of 100, with the counting triggers enabled and disabled alternately
+    (ABBA per chunk, each chunk rolled back: the table and the counters stay as they are). Medians, and the
+    time of the trigger functions themselves."""
+    who = {"dag_id": "bench", "run_id": "bench-counters", "task_id": "send"}
+    got: dict[bool, dict[str, list[float]]] = {on: {"mint_ms": [], "apply_ms": [], "mint_trigger_ms": [],
+                                                    "apply_trigger_ms": []} for on in (True, False)}
+    user = 70_000_000
+    for i in range(chunks):
+        on = i % 4 in (0, 3)
+        with conn.transaction(force_rollback=True):
+            for t in TRIGGERS:
+                conn.execute(f"alter table mail.send_log {'enable' if on else 'disable'} trigger {t}")
+            row = conn.execute(query("mint", "allocate"), {"n": 100}).fetchone()
+            assert row is not None
+            ids = [int(x) for x in row[0]]
+            page_ = [{"id": k, "user_id": user + j, "email": f"new{user + j}@example.com",
+                      "email_key": f"new{user + j}@example.com", "context": {}, "idx": j} for j, k in enumerate(ids)]
+            for label, sql, params in (
+                ("mint", query("mint", "mint_keyed"), who | {"campaign": "first_practice", "page": Jsonb(page_),
+                                                            "key": f"cb-{user}", "interval_start": None,
+                                                            "interval_end": None}),
+                ("apply", query("send_log", "mark_sent"), who | {"ids": ids, "pids": [f"cb-{user}-{k}" for k in ids]}),
+            ):
+                res = conn.execute(f"explain (analyze, format json) {sql}", params).fetchone()
+                assert res is not None
+                plan = res[0][0]
+                got[on][f"{label}_ms"].append(plan["Execution Time"])
+                got[on][f"{label}_trigger_ms"].append(sum(t["Time"] for t in plan.get("Triggers", [])
+                                                         if t["Trigger Name"].startswith("send_log_count")))
+        user += 100
+    return {("with" if on else "without"): {k: round(statistics.median(v), 3) for k, v in d.items()}
+            for on, d in got.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dsn", default=os.environ.get("COUNTERS_BENCH_DSN"), required=False)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--chunks", type=int, default=60)
+    p.add_argument("--chunks", type=int, default=120)
     p.add_argument("--skip", nargs="*", default=[], choices=("page", "seed", "write"))
     a = p.parse_args(argv)
     if not a.dsn:
@@ -149,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if "page" not in a.skip:
             page_queries(conn, a.repeat)
         if "write" not in a.skip:
-            print("write path (ms / WAL bytes per chunk of 100):", write_path(conn, a.chunks), flush=True)
-            # the rounds without triggers left the counters behind the send log: count it again
-            print(f"re-seed after the write-path rounds: {seed(conn)} s", flush=True)
+            print("write path (median ms per chunk of 100):", write_path(conn, a.chunks), flush=True)
         print("load average:", os.getloadavg(), flush=True)
     return 0
 
