@@ -55,6 +55,7 @@ from mailflow.feedback.unsubscribe_app import serve_command as unsubscribe_serve
 from mailflow.feedback.webhooks import serve_command as webhooks_serve
 from mailflow.model.tally import COLUMNS as TALLY_COLUMNS
 from mailflow.sources.scheduled.cli import campaign, dsn_of, dsn_option, run
+from mailflow.store import counters
 from mailflow.store.sql import query
 
 #: The report's columns: the campaign, then every summary's columns (mailflow.model.tally.COLUMNS).
@@ -65,7 +66,11 @@ def report(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     """Rows ``(campaign, total, pending, sending, sent, failed, cancelled, duplicate, skipped, holdout, invalid,
     dead_lettered, rolled_back)`` by campaign (:data:`REPORT_HEAD`), counted as every summary counts
     (:mod:`mailflow.model.tally`): the first eight states add up to ``total``; ``invalid`` and
-    ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total."""
+    ``dead_lettered`` are part of ``failed``; ``rolled_back`` is outside the total. From the per-campaign
+    counters (migration 0028) once they are seeded, else from ``mail.campaign_progress``."""
+    if counters.seeded(conn):
+        return [tuple(r[c] for c in REPORT_HEAD) for r in counters.progress(conn)
+                if r["total"] > 0 or r["rolled_back"] > 0]
     return conn.execute(query("report", "campaign_tally")).fetchall()
 
 
@@ -80,7 +85,11 @@ def outcomes(conn: psycopg.Connection) -> list[tuple[Any, ...]]:
     sent emails and what the provider reported about them (webhooks and the poll, as
     ``mail.delivery_status`` holds it). Counts are emails (an email delivered and then complained
     about is in both); ``opened``/``clicked`` are unique per email; rates are ``Decimal`` fractions
-    0..1 of sent (None when nothing was sent). Campaigns without a sent email are left out."""
+    0..1 of sent (None when nothing was sent). Campaigns without a sent email are left out. From the
+    per-campaign counters (migration 0028) once they are seeded, else from the view."""
+    if counters.seeded(conn):
+        names = {"opened": "unique_opens", "clicked": "unique_clicks"}
+        return [tuple(r[names.get(c, c)] for c in OUTCOMES_HEAD) for r in counters.outcomes(conn) if r["sent"] > 0]
     return conn.execute(query("report", "campaign_outcomes")).fetchall()
 
 

@@ -161,3 +161,70 @@ def test_sent_email_reads_one_range_of_the_campaign_sent_index_per_campaign(big:
     expected = big.execute("select campaign, count(*) from mail.send_log where status = 'sent'"
                            " and sent_at >= now() - interval '30 days' group by campaign order by campaign").fetchall()
     assert got == expected and len(got) == 10
+
+
+def _actual(node: dict[str, Any]) -> list[tuple[str, str, str, int]]:
+    """(node type, relation, index, rows it returned over all its loops) of every node of an analysed plan."""
+    out = [(node["Node Type"], node.get("Relation Name", ""), node.get("Index Name", ""),
+            int(node.get("Actual Rows", 0)) * int(node.get("Actual Loops", 1)))]
+    for child in node.get("Plans", []):
+        out += _actual(child)
+    return out
+
+
+#: The indexes the counters' page queries may read mail.send_log through: bounded ranges (the last 5
+#: minutes of sends, the last send, the first row, the first and last planned pending time).
+COUNTER_READ_INDEXES = {"send_log_campaign_sent_idx", "send_log_campaign_minted_idx",
+                        "send_log_campaign_minted_cover_idx", "send_log_campaign_open_idx"}
+
+
+@pytest.mark.parametrize("name, campaign", [("progress", None), ("progress", "practice_tips"),
+                                            ("outcomes", None), ("outcomes", "practice_tips")])
+def test_the_page_counts_from_counters_not_from_the_rows(big: psycopg.Connection, name: str,
+                                                         campaign: str | None) -> None:
+    sql = query("counters", name)
+    with big.transaction(force_rollback=True):
+        big.execute("set local jit = off")
+        [[doc]] = big.execute(f"explain (analyze, format json) {sql}", {"campaign": campaign}).fetchall()
+    nodes = _actual((doc if isinstance(doc, list) else json.loads(doc))[0]["Plan"])
+    send_log = [(t, i, n) for t, rel, i, n in nodes if rel == "send_log"]
+    assert [n for n in nodes if n[1] == "delivery_status"] == []
+    assert {t for t, _, _ in send_log} <= {"Index Scan", "Index Only Scan", "Index Scan Backward",
+                                           "Index Only Scan Backward"}, send_log
+    assert {i for _, i, _ in send_log} <= COUNTER_READ_INDEXES, send_log
+    # a few rows per campaign (each read is a LIMIT or the last 5 minutes), not its 20,000 rows
+    assert sum(n for _, _, n in send_log) <= 100, send_log
+    assert sum(n for t, rel, _, n in nodes if rel == "send_log" and t.startswith("Seq")) == 0
+
+
+def test_the_counters_equal_the_views_on_the_big_send_log(big: psycopg.Connection) -> None:
+    view = big.execute("select campaign, total, pending, sending, sent, failed, cancelled, rolled_back,"
+                       " dead_lettered, invalid, holdout, last_sent_at, next_due_at, last_due_at, first_minted_at"
+                       " from mail.campaign_progress order by campaign").fetchall()
+    cur = big.execute(query("counters", "progress"), {"campaign": None})
+    names = [d.name for d in cur.description or ()]
+    cols = ("campaign", "total", "pending", "sending", "sent", "failed", "cancelled", "rolled_back", "dead_lettered",
+            "invalid", "holdout", "last_sent_at", "next_due_at", "last_due_at", "first_minted_at")
+    counted = [tuple(r[names.index(c)] for c in cols) for r in cur.fetchall()]
+    assert counted == view and len(view) == 10
+
+
+@pytest.mark.parametrize("days", [14, 3, 1])
+def test_the_page_day_table_equals_campaign_daily(big: psycopg.Connection, days: int) -> None:
+    for (campaign,) in big.execute("select distinct campaign from mail.send_log").fetchall():
+        params = {"campaign": campaign, "days": days}
+        got = big.execute(query("counters", "latest_days"), params).fetchall()
+        assert got == big.execute(progress.DAYS_SQL, params).fetchall(), campaign
+        assert len(got) == days
+
+
+def test_the_page_day_table_reads_the_latest_days_not_the_history(big: psycopg.Connection) -> None:
+    # practice_tips: 20,000 rows over two years; its 14 latest days are a few percent of them
+    with big.transaction(force_rollback=True):
+        big.execute("set local jit = off")
+        [[doc]] = big.execute("explain (analyze, format json) " + query("counters", "latest_days"),
+                              {"campaign": "practice_tips", "days": 14}).fetchall()
+    nodes = _actual((doc if isinstance(doc, list) else json.loads(doc))[0]["Plan"])
+    read = [(t, i, n) for t, rel, i, n in nodes if rel == "send_log"]
+    assert all(t.startswith("Index") or t == "Bitmap Heap Scan" for t, _, _ in read), read
+    assert sum(n for _, _, n in read) < 4_000, read  # failed rows (4%), 44 days of mints and sends, probes

@@ -1,6 +1,10 @@
-"""The progress page's read-only queries over the send-log views of migration 0004, the chart
-series and the masking of addresses in free text. Plain psycopg, no Airflow: tested on a real
-send log (tests/integration/orchestration/test_progress_series.py)."""
+"""The progress page's read-only queries, the chart series and the masking of addresses in free text.
+Plain psycopg, no Airflow: tested on a real send log (tests/integration/orchestration/test_progress_series.py).
+
+The counts of the list and of a campaign (``mail.campaign_progress``'s and ``mail.campaign_outcomes``'s
+columns) come from the per-campaign counters of migration 0028 (store/sql/queries/counters.sql: folded
+counts plus the unfolded changes, exact at any time), so a page costs the same at 1M or 20M send-log rows;
+until the counters are seeded (the first fold after the upgrade) they come from the views themselves."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from mailflow.store import counters
 from mailflow.store.send_log import mask_email
+from mailflow.store.sql import query
 
 _EMAIL = re.compile(r"[^\s<>\"'`(),;:\[\]]+@[^\s<>\"'`(),;:\[\]]+")
 
@@ -33,6 +39,8 @@ OUTCOMES_ONE_SQL = OUTCOMES_ALL_SQL + "where campaign = %(campaign)s\n"
 NO_OUTCOMES = {"delivered": 0, "hard_bounced": 0, "complained": 0, "no_outcome_yet": 0, "delivered_rate": None,
                "hard_bounce_rate": None, "complaint_rate": None, "open_rate": None, "click_rate": None,
                "guard_state": "ok", "guard_reason": None, "account_guard_state": "ok", "account_guard_reason": None}
+# The view's way of reading a campaign's latest days (it groups the campaign's whole history); the page reads
+# the same rows through counters.latest_days.
 DAYS_SQL = """
 select day, timezone, minted, sent, failed, rolled_back, cancelled, dead_lettered, unique_users, duplicate, skipped,
        holdout
@@ -133,7 +141,7 @@ def load_series(conn: psycopg.Connection, name: str | None = None, *, now: datet
     if now is None:
         now = conn.execute("select now()").fetchone()[0]  # type: ignore[index]
     assert now is not None
-    progress = _rows(conn, ONE_SQL if name else LIST_SQL, {"campaign": name} if name else None)
+    progress = _progress(conn, name)
     if name and not progress:
         return None
     active = any(p["active"] for p in progress)
@@ -196,10 +204,24 @@ def _rows(conn: psycopg.Connection, sql: str, params: dict[str, Any] | None = No
         return [{k: plain_value(v) for k, v in r.items()} for r in cur.fetchall()]
 
 
+def _progress(conn: psycopg.Connection, name: str | None = None) -> list[dict[str, Any]]:
+    """``mail.campaign_progress`` rows (its columns, by campaign): every campaign, or only ``name``."""
+    if counters.seeded(conn):
+        return [{k: plain_value(v) for k, v in r.items()} for r in counters.progress(conn, name)]
+    return _rows(conn, ONE_SQL if name else LIST_SQL, {"campaign": name} if name else None)
+
+
+def _outcomes(conn: psycopg.Connection, name: str | None = None) -> list[dict[str, Any]]:
+    """``mail.campaign_outcomes`` rows (the columns of :data:`OUTCOMES_ALL_SQL` and ``campaign``)."""
+    if counters.seeded(conn):
+        keep = ("campaign", *NO_OUTCOMES)
+        return [{k: plain_value(r[k]) for k in keep} for r in counters.outcomes(conn, name)]
+    return _rows(conn, OUTCOMES_ONE_SQL if name else OUTCOMES_ALL_SQL, {"campaign": name} if name else None)
+
+
 def _with_outcomes(conn: psycopg.Connection, progress: list[dict[str, Any]], name: str | None = None) -> None:
     """Add each campaign's outcome rates and guard state (``mail.campaign_outcomes``) to its progress row."""
-    found = {o.pop("campaign"): o for o in _rows(conn, OUTCOMES_ONE_SQL if name else OUTCOMES_ALL_SQL,
-                                                 {"campaign": name} if name else None)}
+    found = {o.pop("campaign"): o for o in _outcomes(conn, name)}
     account = next(iter(found.values()), None)
     if account is None:  # no sent email anywhere yet: the account guard's state still shows
         account = _rows(conn, ACCOUNT_GUARD_SQL)[0]
@@ -219,7 +241,7 @@ from mail.reputation_guard where scope = 'account' and state = 'tripped'
 def load_list(conn: psycopg.Connection) -> dict[str, Any]:
     """Every campaign's progress (``mail.campaign_progress``) with its outcome rates and guard state
     (``mail.campaign_outcomes``), and whether any is active."""
-    campaigns = _rows(conn, LIST_SQL)
+    campaigns = _progress(conn)
     _with_outcomes(conn, campaigns)
     return {"campaigns": campaigns, "active": any(c["active"] for c in campaigns)}
 
@@ -227,7 +249,7 @@ def load_list(conn: psycopg.Connection) -> dict[str, Any]:
 def load_campaign(conn: psycopg.Connection, name: str, *, show: bool, days: bool = True) -> dict[str, Any] | None:
     """One campaign: ``progress``, ``days`` (latest first, up to 14), ``recent`` emails (latest
     20 sent / in flight / failed / cancelled) and ``errors`` (by message); None if unknown."""
-    found = _rows(conn, ONE_SQL, {"campaign": name})
+    found = _progress(conn, name)
     if not found:
         return None
     _with_outcomes(conn, found, name)
@@ -243,5 +265,6 @@ def load_campaign(conn: psycopg.Connection, name: str, *, show: bool, days: bool
             e["error"] = mask_text(e["error"])
     out = {"progress": found[0], "recent": recent, "errors": errors, "active": bool(found[0]["active"])}
     if days:
-        out["days"] = _rows(conn, DAYS_SQL, params)
+        # mail.campaign_daily's latest rows without grouping the campaign's whole history (same numbers)
+        out["days"] = _rows(conn, query("counters", "latest_days"), params)
     return out
