@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import jinja2
+import jinja2.bccache
+import jinja2.meta
+import jinja2.nodes
 from jinja2.sandbox import SandboxedEnvironment
 
 from mailflow.campaigns import Campaign, CampaignFolder
@@ -42,6 +45,29 @@ def _autoescape(name: str | None) -> bool:
     return bool(name) and ".html" in str(name)
 
 
+class _CompiledTemplates(jinja2.BytecodeCache):
+    """The compiled code of every campaign template this process has loaded, in memory, keyed by
+    the template's name and file and checked against the sha1 of its source (Jinja2's bucket
+    checksum): a template is parsed and compiled once per process, and an edited file, whose source
+    no longer matches, is compiled again by the next renderer that loads it. Only
+    :func:`template_env` uses it, so every entry was compiled with the same environment settings
+    (sandbox, autoescape by name, trailing newline), which the generated code depends on."""
+
+    def __init__(self) -> None:
+        self._code: dict[str, tuple[str | None, Any]] = {}
+
+    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        hit = self._code.get(bucket.key)
+        if hit is not None and hit[0] == bucket.checksum:
+            bucket.code = hit[1]
+
+    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        self._code[bucket.key] = (bucket.checksum, bucket.code)
+
+
+_COMPILED = _CompiledTemplates()
+
+
 def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
     """Jinja2 environment for campaign templates: sandboxed (see :mod:`mailflow.campaigns.templating`),
     HTML autoescaped, text not, strict undefined.
@@ -51,8 +77,26 @@ def template_env(templates_dir: Path | None = None) -> jinja2.Environment:
     """
     # an environment lives as long as its renderer (one run): each template is read once, on first
     # use, with no stat() per email (auto_reload off); the next run's renderer reads the files again
-    return sandboxed_env(jinja2.FileSystemLoader(str(templates_dir or CampaignFolder.resolve().templates_dir)),
-                         autoescape=_autoescape)
+    # and reuses the compiled code of every file whose source is unchanged (_COMPILED)
+    env = sandboxed_env(jinja2.FileSystemLoader(str(templates_dir or CampaignFolder.resolve().templates_dir)),
+                        autoescape=_autoescape)
+    env.bytecode_cache = _COMPILED
+    return env
+
+
+#: Context names that are the same for every email of a campaign in one renderer: a subject that
+#: reads nothing else renders to the same text for every row.
+_PER_CAMPAIGN = frozenset({"campaign", "app_url"})
+
+
+def _same_for_every_email(text: str) -> bool:
+    """Whether a subject template's output cannot depend on the row: it reads no context name but
+    :data:`_PER_CAMPAIGN` (no ``user``, no ``unsubscribe_url``, no global such as ``lipsum`` or
+    ``cycler``) and uses no ``random`` filter."""
+    tree = sandboxed_env().parse(text)
+    if any(f.name == "random" for f in tree.find_all(jinja2.nodes.Filter)):
+        return False
+    return jinja2.meta.find_undeclared_variables(tree) <= _PER_CAMPAIGN
 
 
 class Renderer:
@@ -83,6 +127,9 @@ class Renderer:
             raise TypeError("campaign templates render only in a sandboxed environment (template_env())")
         self.env = env or template_env()
         self._subjects: dict[str, jinja2.Template] = {}
+        # campaign -> its subject line when that is the same for every email (_same_for_every_email):
+        # rendered once, in the sandbox, from the first row's context; None: rendered per email
+        self._fixed_subjects: dict[str, str | None] = {}
         # (campaign, template name) -> compiled template: get_template() per email stats the file
         # twice (Jinja2's auto_reload) and looks it up in the cache; a run renders thousands
         self._templates: dict[tuple[str, str], jinja2.Template] = {}
@@ -107,9 +154,14 @@ class Renderer:
             "unsubscribe_url": unsubscribe_url,
             "app_url": self.app_url,
         }
-        subject_t = self._subjects.get(campaign.name)
-        if subject_t is None:
-            subject_t = self._subjects[campaign.name] = subject_template(campaign.subject)
+        subject = self._fixed_subjects.get(campaign.name)
+        if subject is None:
+            subject_t = self._subjects.get(campaign.name)
+            if subject_t is None:
+                subject_t = self._subjects[campaign.name] = subject_template(campaign.subject)
+            subject = " ".join(subject_t.render(ctx).split())
+            if campaign.name not in self._fixed_subjects:
+                self._fixed_subjects[campaign.name] = subject if _same_for_every_email(campaign.subject) else None
         headers = {"X-Mailflow-Send-Id": str(row.id), "X-Mailflow-Campaign": campaign.name}
         if campaign.marketing:
             # RFC 8058 one-click: an HTTPS URI that identifies the recipient by itself (first), then
@@ -121,7 +173,7 @@ class Renderer:
         email: dict[str, Any] = {
             "from": campaign.from_address,
             "to": [row.email],
-            "subject": " ".join(subject_t.render(ctx).split()),
+            "subject": subject,
             "html": self._template(campaign, "html").render(ctx),
             "text": self._template(campaign, "txt").render(ctx),
             "headers": headers,
