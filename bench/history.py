@@ -471,6 +471,189 @@ def ensure(admin: str, quick: bool = False, log: Any = print) -> tuple[str, dict
     return dsn, {"reused": False, "build": built, "built_seconds": total, "anchor": ANCHOR, "disk": size}
 
 
+# -- the suite: the same measures on the 1M/5M population and on this one -----------------------------------
+
+#: Reconciler and dispatcher statements, each run under EXPLAIN (ANALYZE, BUFFERS) in a rolled-back
+#: transaction (they write): (file, name, extra parameters).
+SCANS = [
+    ("scheduled", "cancel_suppressed_due", {}),
+    ("scheduled", "due_wait", {"batch": 100, "coalesce": 60}),
+    ("scheduled", "pick_due", {"limit": 100}),
+    ("repair", "promote_with_provider_id", {}),
+    ("repair", "release_unbatched", {}),
+    ("repair", "fail_past_window", {}),
+    ("repair", "stale_batches", {"identities": None, "limit": 10}),
+    ("repair", "held_batches", {"identities": ["bench-key"]}),
+]
+WRITE_USER0 = 900_000_000  # minted users of the write-path measure, removed afterwards
+
+
+def _write_path(conn: psycopg.Connection, chunks: int) -> dict[str, float]:
+    """Median mint and apply ms per chunk of 100 (bench/write_path.py's statements and transactions),
+    after 5 warm-up chunks; the rows, events and batches it wrote are deleted afterwards, so a cached
+    population keeps its counts."""
+    from bench import write_path
+
+    tag = os.urandom(3).hex()
+    samples = []
+    try:
+        for i in range(5 + chunks):
+            s = write_path._chunk(conn, WRITE_USER0 + 100 * i, tag, write_path._mint_keyed)
+            if i >= 5:
+                samples.append(s)
+    finally:
+        with conn.transaction():
+            conn.execute("delete from mail.send_event where send_log_id in"
+                         " (select id from mail.send_log where user_id >= %s)", (WRITE_USER0,))
+            conn.execute("delete from mail.send_log where user_id >= %s", (WRITE_USER0,))
+            conn.execute("delete from mail.send_batch where idempotency_key like %s", (f"wp-{tag}-%",))
+    return {"mint_ms": statistics.median(x[0] for x in samples), "apply_ms": statistics.median(x[1] for x in samples)}
+
+
+def _scans(conn: psycopg.Connection, anchor: datetime) -> dict[str, dict[str, Any]]:
+    from bench.dispatch_scans import _buffers, _explain, _nodes
+    from mailflow.store.sql import query
+
+    now = datetime.now(UTC)
+    base = {"dag_id": "bench", "run_id": "bench", "task_id": "bench", "stale_before": now - timedelta(minutes=15),
+            "window_start": now - timedelta(hours=24)}
+    out = {}
+    for file, name, extra in SCANS:
+        runs = [_explain(conn, query(file, name), base | extra) for _ in range(3)]
+        plan = runs[-1][2]
+        out[name] = {"ms": statistics.median(r[0] for r in runs), "rows": runs[-1][1], "buffers": _buffers(plan),
+                     "nodes": _nodes(plan["Plan"])}
+    return out
+
+
+def _audience(conn: psycopg.Connection, anchor: datetime, reps: int) -> dict[str, dict[str, Any]]:
+    from bench.audience import measure_campaign
+    from mailflow.campaigns import load_campaigns
+    from mailflow.model.outcome import DataInterval
+    from mailflow.store.send_log import PostgresStore
+
+    interval = DataInterval(anchor - timedelta(hours=1), anchor)
+    store = PostgresStore(conn)
+    out = {}
+    for c in load_campaigns():
+        m = measure_campaign(conn, store, c, interval, reps)
+        out[c.name] = {"s": m["snapshot_s"], "eligible": m["eligible"], "runs_s": m["snapshot_runs_s"],
+                       "plans": m["plans"], "dry_run_count_s": m["dry_run_count_s"]}
+    return out
+
+
+def _analytics(dsn: str, anchor: datetime, log: Any) -> dict[str, dict[str, Any]]:
+    """bench/analytics.py's checks (the views, the progress page's queries, every docs/send_log.md
+    question) with the population's own anchor."""
+    from bench import analytics
+
+    saved = analytics.ANCHOR
+    analytics.ANCHOR = anchor
+    try:
+        got = analytics._check(dsn, False, log)
+    finally:
+        analytics.ANCHOR = saved
+    return {m["name"].removeprefix("analytics_"): {"ms": m["value"], "seq_scans": m["params"]["seq_scans"]}
+            for m in got}
+
+
+def measure(dsn: str, anchor: datetime, quick: bool, log: Any = print) -> dict[str, dict[str, Any]]:
+    """Every measure of the suite on the population in ``dsn``: ``{key: {"value", "unit", ...}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("set statement_timeout = '120s'")
+        wp = _write_path(conn, 10 if quick else 40)
+        out["mint_ms_per_chunk"] = {"value": wp["mint_ms"], "unit": "ms per chunk of 100 (median)"}
+        out["apply_ms_per_chunk"] = {"value": wp["apply_ms"], "unit": "ms per chunk of 100 (median)"}
+        log(f"    write path: mint {wp['mint_ms']:.1f} ms, apply {wp['apply_ms']:.1f} ms", flush=True)
+        for name, a in _audience(conn, anchor, 2 if quick else 3).items():
+            out[f"audience_snapshot_{name}"] = {"value": a["s"], "unit": "s (once per campaign per run)",
+                                                **{k: v for k, v in a.items() if k != "s"}}
+            log(f"    audience {name}: {a['s']:.3f} s ({a['eligible']} eligible)", flush=True)
+        for name, sc in _scans(conn, anchor).items():
+            out[f"scan_{name}"] = {"value": sc["ms"], "unit": "ms per call (EXPLAIN ANALYZE, median of 3)",
+                                   **{k: v for k, v in sc.items() if k != "ms"}}
+            log(f"    scan {name}: {sc['ms']:.1f} ms", flush=True)
+    for name, q in _analytics(dsn, anchor, log).items():
+        out[f"read_{name}"] = {"value": q["ms"], "unit": "ms (EXPLAIN ANALYZE, warm)", "seq_scans": q["seq_scans"]}
+    return out
+
+
+def _target(key: str, small: float, big: float) -> tuple[str | None, bool | None]:
+    """(target, met) of a measure at 20M rows (its 1M figure for the write path's ratio)."""
+    if key in ("mint_ms_per_chunk", "apply_ms_per_chunk"):
+        return "<= 1.2x the 1M figure", big <= 1.2 * small
+    if key.startswith("audience_snapshot_"):
+        return "<= 1 s", big <= 1.0
+    if key.startswith("scan_"):
+        return "<= 100 ms", big <= 100
+    if key.startswith("read_page_"):
+        return "<= 200 ms", big <= 200
+    if key.startswith("read_"):
+        return "<= 1000 ms", big <= 1000
+    return None, None
+
+
+def small_population(dsn: str, quick: bool, log: Any = print) -> Any:
+    """The run's 1M-user / 5M-row population (bench/population.py's shared build; ``--quick``: 100,000
+    users) as a private copy with its events and a campaign row for each newsletter (the dispatcher's
+    scans join mail.campaign); a context manager yielding ``(dsn, info)``."""
+    from contextlib import contextmanager
+
+    from bench import analytics
+
+    @contextmanager
+    def cm() -> Any:
+        with population.shared_copy(dsn, 100_000 if quick else 1_000_000, "history", log=log) as (sdsn, pop):
+            t0 = time.perf_counter()
+            analytics.add_events(sdsn, log=log)
+            with psycopg.connect(sdsn, autocommit=True) as conn:
+                conn.execute(
+                    "insert into mail.campaign (name, status, template, subject, from_address, recipients_table)"
+                    " select distinct campaign, case when bool_or(status = 'pending') over (partition by campaign)"
+                    " then 'scheduled' else 'completed' end, 'outreach', 'News', 'news@mail.example.com',"
+                    " 'mail.campaign_recipient' from mail.send_log where kind = 'scheduled'")
+                conn.execute("analyze mail.campaign")
+            pop["events_seconds"] = round(time.perf_counter() - t0, 1)
+            yield sdsn, pop
+
+    return cm()
+
+
+def run(dsn: str, quick: bool = False, log: Any = print) -> list[dict[str, Any]]:
+    """The suite ``history``: build or reuse the 20M population (reported on its own), then every
+    measure on the 1M population and on the 20M one, one metric per measure: the 20M value, its target,
+    and the 1M value and the ratio in ``params``."""
+    from bench.common import ANCHOR
+
+    out: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    hdsn, info = ensure(dsn, quick, log)
+    ensure_s = time.perf_counter() - t0
+    rows = info["build"]["rows"]
+    out.append(metric("history_build_seconds", float(info["build"]["seconds"].get("total", 0.0)), "s", None, None,
+                      reused=info["reused"], this_run_seconds=round(ensure_s, 1), steps=info["build"]["seconds"],
+                      rows=rows, anchor=info["anchor"].isoformat(), version=VERSION))
+    out.append(metric("history_disk_bytes", float(info["disk"]["database"]), "bytes (pg_database_size)", None, None,
+                      **info["disk"]))
+    log("  1M population:", flush=True)
+    with small_population(dsn, quick, log) as (sdsn, pop):
+        small = measure(sdsn, ANCHOR, quick, log)
+        with psycopg.connect(sdsn) as conn:
+            small_rows = conn.execute("select count(*) from mail.send_log").fetchone()[0]  # type: ignore[index]
+    log("  20M population:", flush=True)
+    big = measure(hdsn, info["anchor"], quick, log)
+    for key, b in big.items():
+        s = small.get(key)
+        sv = s["value"] if s else float("nan")
+        target, met = _target(key, sv, b["value"])
+        out.append(metric(f"history_{key}", b["value"], b["unit"], target, met,
+                          at_1m=round(sv, 4), ratio_to_1m=round(b["value"] / sv, 2) if sv else None,
+                          send_log_rows=rows["mail.send_log"], send_log_rows_1m=small_rows,
+                          **{k: v for k, v in b.items() if k not in ("value", "unit")}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dsn", default=os.environ.get("TEST_DATABASE_URL"), help="the server (admin DSN)")
