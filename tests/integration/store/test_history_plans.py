@@ -1,0 +1,147 @@
+"""Statements that must cost the same however long the send log's history and the campaigns' backlogs
+grow (docs/performance.md, "The send log at 20M rows"): each plans as a bounded, index-backed read on
+a send log with history and big planned backlogs, and answers exactly what the unbounded formulation
+answers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from mailflow.store.migrate import migrate
+from mailflow.store.sql import query
+from mailflow_dev import devenv
+
+CAMPAIGNS = """
+insert into mail.campaign (name, status, template, subject, from_address, recipients_table)
+values ('big_a', 'scheduled', 'outreach', 'A', 'a@mail.example.com', 'mail.campaign_recipient'),
+       ('big_b', 'scheduled', 'outreach', 'B', 'b@mail.example.com', 'mail.campaign_recipient'),
+       ('paused', 'paused', 'outreach', 'P', 'p@mail.example.com', 'mail.campaign_recipient'),
+       ('old', 'completed', 'outreach', 'O', 'o@mail.example.com', 'mail.campaign_recipient')
+"""
+# Two active campaigns with 30,000 planned rows each over the coming week (big_a's first 300 due, in
+# the last hour), a paused one with earlier rows, 100,000 sent rows of history, a few in flight.
+ROWS = """
+insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at, minted_at, claimed_at, sent_at,
+                           provider_message_id, attempts)
+select g, c, 'scheduled', 'user' || g || '@example.com', st,
+       case when st in ('pending', 'sending') then t end, now() - interval '8 days',
+       case when st <> 'pending' then t end, case when st = 'sent' then t end,
+       case when st = 'sent' then 'pm-' || c || '-' || g end, case when st = 'pending' then 0 else 1 end
+from (select g, c, case when c = 'old' then 'sent' when g % 1000 = 7 then 'sending' else 'pending' end as st,
+             case when c = 'old' then now() - interval '300 days' * random()
+                  when c = 'big_a' and g <= 300 then now() - interval '1 hour' + interval '10 seconds' * g
+                  when c = 'paused' then now() - interval '2 days'
+                  else now() + interval '7 days' * random() end as t
+      from (select g, 'big_a' as c from generate_series(1, 30000) g
+            union all select g, 'big_b' from generate_series(1, 30000) g
+            union all select g, 'paused' from generate_series(1, 500) g
+            union all select g, 'old' from generate_series(1, 100000) g) as x) as y
+"""
+
+#: due_wait as it was: the active campaigns joined to all their pending rows, sorted (the reference).
+DUE_WAIT_UNBOUNDED = """
+with p as (
+    select d.scheduled_at
+    from mail.send_log d
+    join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
+    where d.status = 'pending' and d.kind = 'scheduled'
+      and (c.canary_share is null or c.canary_released_at is not null or d.id <= c.canary_last_id)
+      and not exists (select 1 from mail.reputation_guard g
+                      where g.state = 'tripped' and g.scope = 'campaign' and g.name = c.name)
+      and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
+    order by d.scheduled_at
+    limit %(batch)s
+)
+select extract(epoch from least(min(scheduled_at) + make_interval(secs => %(coalesce)s),
+                                case when count(*) >= %(batch)s then max(scheduled_at) end) - now())::float8
+from p
+"""
+
+
+@pytest.fixture(scope="module")
+def backlog(pg_admin_dsn: str) -> Iterator[psycopg.Connection]:
+    name = f"mailflow_history_plans_{uuid.uuid4().hex[:8]}"
+    dsn = devenv.create_database(pg_admin_dsn, name, exist_ok=False)
+    conn = psycopg.connect(dsn, autocommit=True)
+    try:
+        migrate(conn)
+        conn.execute("select setseed(0.27)")
+        conn.execute(CAMPAIGNS)
+        conn.execute(ROWS)
+        conn.execute("vacuum analyze mail.send_log")
+        conn.execute("analyze mail.campaign")
+        yield conn
+    finally:
+        conn.close()
+        devenv.drop_database(pg_admin_dsn, name)
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [node]
+    for child in node.get("Plans", []):
+        out += _nodes(child)
+    return out
+
+
+def _analyze(conn: psycopg.Connection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    with conn.transaction(force_rollback=True):
+        conn.execute("set local jit = off")
+        [[doc]] = conn.execute(f"explain (analyze, format json) {sql}", params).fetchall()  # type: ignore[arg-type]
+    return _nodes((doc if isinstance(doc, list) else json.loads(doc))[0]["Plan"])
+
+
+def _both(conn: psycopg.Connection, params: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(due_wait, the unbounded reference) at the same now()."""
+    with conn.transaction(force_rollback=True):
+        got = conn.execute(query("scheduled", "due_wait"), params).fetchone()
+        ref = conn.execute(DUE_WAIT_UNBOUNDED, params).fetchone()
+    assert got is not None and ref is not None
+    return got[0], ref[0]
+
+
+def test_due_wait_reads_only_the_head_of_each_active_campaign(backlog: psycopg.Connection) -> None:
+    nodes = _analyze(backlog, query("scheduled", "due_wait"), {"batch": 100, "coalesce": 60})
+    send_log = [n for n in nodes if n.get("Relation Name") == "send_log"
+                or n.get("Index Name", "").startswith("send_log")]
+    assert [(n["Node Type"], n.get("Index Name")) for n in send_log] == [
+        ("Index Scan", "send_log_campaign_open_idx")]
+    # one ordered range per active campaign, stopped after its first 100 pending rows (+ the few in flight)
+    assert send_log[0]["Actual Loops"] == 2
+    assert send_log[0]["Actual Rows"] == 100
+    assert sum(int(n.get("Rows Removed by Filter", 0)) for n in send_log) < 50
+
+
+def test_due_wait_answers_what_the_unbounded_read_answers(backlog: psycopg.Connection) -> None:
+    for params in ({"batch": 100, "coalesce": 60}, {"batch": 1000, "coalesce": 0}, {"batch": 10, "coalesce": 3600}):
+        got, ref = _both(backlog, params)
+        assert got is not None and ref is not None and got == pytest.approx(ref, abs=1e-6), params
+    # a full batch is due in big_a (300 rows in the last hour): claim now
+    got, _ = _both(backlog, {"batch": 100, "coalesce": 60})
+    assert got is not None and got <= 0
+
+
+def test_due_wait_leaves_out_what_pick_due_would_not_take(backlog: psycopg.Connection) -> None:
+    with backlog.transaction(force_rollback=True):
+        # big_a's guard tripped: only big_b counts (its rows are all in the future)
+        backlog.execute("insert into mail.reputation_guard (scope, name, state, reason, tripped_at)"
+                        " values ('campaign', 'big_a', 'tripped', 'test', now())")
+        got = backlog.execute(query("scheduled", "due_wait"), {"batch": 100, "coalesce": 60}).fetchone()
+        ref = backlog.execute(DUE_WAIT_UNBOUNDED, {"batch": 100, "coalesce": 60}).fetchone()
+        assert got == ref and got is not None and got[0] > 0
+        # big_b holds back behind a canary of its 50 first ids: only those count
+        backlog.execute("update mail.campaign set canary_share = 0.01, canary_last_id ="
+                        " (select min(id) + 49 from mail.send_log where campaign = 'big_b') where name = 'big_b'")
+        got = backlog.execute(query("scheduled", "due_wait"), {"batch": 100, "coalesce": 60}).fetchone()
+        ref = backlog.execute(DUE_WAIT_UNBOUNDED, {"batch": 100, "coalesce": 60}).fetchone()
+        assert got == ref
+        # the account tripped: nothing pending that pick_due would take
+        backlog.execute("insert into mail.reputation_guard (scope, name, state, reason, tripped_at)"
+                        " values ('account', 'default', 'tripped', 'test', now())")
+        got = backlog.execute(query("scheduled", "due_wait"), {"batch": 100, "coalesce": 60}).fetchone()
+        assert got == (None,)
