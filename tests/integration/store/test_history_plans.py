@@ -145,3 +145,30 @@ def test_due_wait_leaves_out_what_pick_due_would_not_take(backlog: psycopg.Conne
                         " values ('account', 'default', 'tripped', 'test', now())")
         got = backlog.execute(query("scheduled", "due_wait"), {"batch": 100, "coalesce": 60}).fetchone()
         assert got == (None,)
+
+
+def test_q13_reads_the_guards_only(backlog: psycopg.Connection) -> None:
+    """docs/send_log.md Q13 answers from mail.reputation_guard alone: never every campaign's whole history
+    of sent emails and outcomes (mail.campaign_outcomes computes those for every campaign before a
+    filter on the guard's state applies: 86 s at 2M rows)."""
+    from send_log_demo import doc_query
+
+    _, sql = doc_query(13)
+    with backlog.transaction(force_rollback=True):
+        [[doc]] = backlog.execute(f"explain (format json) {sql}").fetchall()
+    relations = {n.get("Relation Name") for n in _nodes(doc[0]["Plan"])} - {None}
+    assert relations == {"reputation_guard"}
+    with backlog.transaction(force_rollback=True):
+        assert backlog.execute(sql).fetchall() == []
+        backlog.execute("insert into mail.reputation_guard (scope, name, state, reason, tripped_at, sample)"
+                        " values ('campaign', 'big_a', 'tripped', 'hard-bounce rate over 0.04', now(), 50),"
+                        " ('campaign', 'big_b', 'ok', null, null, 80)")
+        rows = backlog.execute(sql).fetchall()
+        assert [(r[0], r[1], r[2], r[6], r[7]) for r in rows] == [("big_a", "tripped", "hard-bounce rate over 0.04",
+                                                                  50, "ok")]
+        backlog.execute("insert into mail.reputation_guard (scope, name, state, reason, tripped_at)"
+                        " values ('account', 'default', 'tripped', 'complaint rate over 0.001', now())")
+        rows = backlog.execute(sql).fetchall()
+        assert [(r[0], r[1], r[7], r[8]) for r in rows] == [
+            ("big_a", "tripped", "tripped", "default: complaint rate over 0.001"),
+            ("big_b", "ok", "tripped", "default: complaint rate over 0.001")]
