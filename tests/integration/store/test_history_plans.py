@@ -74,7 +74,13 @@ def backlog(pg_admin_dsn: str) -> Iterator[psycopg.Connection]:
         conn.execute("select setseed(0.27)")
         conn.execute(CAMPAIGNS)
         conn.execute(ROWS)
+        # an event per row (a contact-policy deferral for 1 in 100, spread over the last 300 days)
+        conn.execute("insert into mail.send_event (send_log_id, from_status, to_status, at, error)"
+                     " select id, null, status, now() - interval '300 days' * random(),"
+                     " case when id % 100 = 0 then 'contact policy: cooldown: sent 1 email; free from later' end"
+                     " from mail.send_log")
         conn.execute("vacuum analyze mail.send_log")
+        conn.execute("vacuum analyze mail.send_event")
         conn.execute("analyze mail.campaign")
         yield conn
     finally:
@@ -172,3 +178,20 @@ def test_q13_reads_the_guards_only(backlog: psycopg.Connection) -> None:
         assert [(r[0], r[1], r[7], r[8]) for r in rows] == [
             ("big_a", "tripped", "tripped", "default: complaint rate over 0.001"),
             ("big_b", "ok", "tripped", "default: complaint rate over 0.001")]
+
+
+def test_q11_reads_the_contact_policy_decisions_since_the_day(backlog: psycopg.Connection) -> None:
+    """docs/send_log.md Q11 reads the range of send_event_contact_policy_idx (0027) since its day, then
+    each decision's row by primary key: never every event ever recorded."""
+    from send_log_demo import doc_query
+
+    _, sql = doc_query(11)
+    since = backlog.execute("select (now() - interval '30 days')::date").fetchone()[0]  # type: ignore[index]
+    nodes = _analyze(backlog, sql, {"since": since.isoformat()})
+    scans = [(n["Node Type"], n.get("Relation Name"), n.get("Index Name")) for n in nodes if n.get("Relation Name")]
+    assert "send_event_contact_policy_idx" in {n.get("Index Name") for n in nodes}  # index or bitmap scan
+    assert not [s for s in scans if s[0] == "Seq Scan" and s[1] in ("send_event", "send_log")], scans
+    got = backlog.execute(sql, {"since": since.isoformat()}).fetchall()
+    expected = backlog.execute("select count(*) from mail.send_event where error like 'contact policy:%%'"
+                               " and at >= %s::date::timestamp at time zone 'UTC'", (since,)).fetchone()
+    assert expected is not None and len(got) == expected[0] > 0
