@@ -221,8 +221,8 @@ from (select o.*,
              case when o.o < 0.96 then 'delivered' when o.o < 0.99 then 'bounced'
                   when o.o < 0.995 then 'delivery_delayed' when o.o < 0.998 then 'suppressed'
                   when o.o < 0.999 then 'complained' else 'failed' end as event
-      from (""" + _OUTCOME + """) as o) as x
-"""
+      from ({outcome}) as o) as x
+""".replace("{outcome}", _OUTCOME)
 DELIVERY_STATUS_COLS = ("send_log_id", "provider_message_id", "last_event", "final", "checks", "first_checked_at",
                         "checked_at", "delivered_at", "hard_bounced_at", "soft_bounced_at", "complained_at",
                         "failed_at", "delayed_at", "suppressed_at", "first_opened_at", "first_clicked_at", "opens",
@@ -235,12 +235,12 @@ select o.id, o.provider_message_id,
        (case when o.o >= 0.96 and o.o < 0.98 then 'Permanent' when o.o >= 0.98 and o.o < 0.99 then 'Transient' end)::text,
        (o.sent_at + interval '3 seconds')::timestamptz, (o.sent_at + interval '4 seconds')::timestamptz,
        'webhook'::text, ('msg_' || o.id || '_o')::text
-from (""" + _OUTCOME + """) as o
+from ({outcome}) as o
 union all
 select o.id, o.provider_message_id, 'opened'::text, null::text, (o.sent_at + interval '2 hours')::timestamptz,
        (o.sent_at + interval '2 hours 1 second')::timestamptz, 'webhook'::text, ('msg_' || o.id || '_p')::text
-from (""" + _OUTCOME + """) as o where o.e < 0.3
-"""
+from ({outcome}) as o where o.e < 0.3
+""".replace("{outcome}", _OUTCOME)
 DELIVERY_EVENT_COLS = ("send_log_id", "provider_message_id", "event", "bounce_type", "occurred_at", "recorded_at",
                        "source", "svix_id")
 
