@@ -16,6 +16,7 @@ import pytest
 from mailflow.store.migrate import migrate
 from mailflow.store.sql import query
 from mailflow_dev import devenv
+from mailflow_dev.demo.loader import schema_sql
 
 CAMPAIGNS = """
 insert into mail.campaign (name, status, template, subject, from_address, recipients_table)
@@ -71,7 +72,23 @@ def backlog(pg_admin_dsn: str) -> Iterator[psycopg.Connection]:
     conn = psycopg.connect(dsn, autocommit=True)
     try:
         migrate(conn)
+        conn.execute(schema_sql())
         conn.execute("select setseed(0.27)")
+        # 100,000 users over two years, two assessments each; a lifecycle run an hour ago
+        conn.execute("insert into app.users (user_id, email, signed_up_at, plan, timezone)"
+                     " select g, 'user' || g || '@example.com', now() - interval '730 days' * (1 - g / 100000.0),"
+                     " 'free', 'UTC' from generate_series(1, 100000) g")
+        conn.execute("insert into app.assessments (assessment_id, user_id, kind, is_free, started_at)"
+                     " select g * 2 + k, g, 'verbal', true, now() - interval '700 days' * random()"
+                     " from generate_series(1, 100000) g, generate_series(0, 1) k")
+        conn.execute("insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, claimed_at,"
+                     " sent_at, provider_message_id, attempts, run_id, data_interval_start, data_interval_end)"
+                     " select g, 'first_practice', 'lifecycle', 'user' || g || '@example.com', 'sent',"
+                     " now() - interval '1 hour', now() - interval '1 hour', now() - interval '1 hour',"
+                     " 'pm-fp-' || g, 1, 'scheduled__run', now() - interval '2 hours', now() - interval '1 hour'"
+                     " from generate_series(99000, 99500) g")
+        conn.execute("vacuum analyze app.users")
+        conn.execute("vacuum analyze app.assessments")
         conn.execute(CAMPAIGNS)
         conn.execute(ROWS)
         # an event per row (a contact-policy deferral for 1 in 100, spread over the last 300 days)
@@ -195,3 +212,21 @@ def test_q11_reads_the_contact_policy_decisions_since_the_day(backlog: psycopg.C
     expected = backlog.execute("select count(*) from mail.send_event where error like 'contact policy:%%'"
                                " and at >= %s::date::timestamp at time zone 'UTC'", (since,)).fetchone()
     assert expected is not None and len(got) == expected[0] > 0
+
+
+def test_q3_probes_each_audience_user_by_index(backlog: psycopg.Connection) -> None:
+    """docs/send_log.md Q3 plans its dedupe, cooldown and assessment checks as index probes per
+    audience user: the run's window is unknown when it plans (a ninth of all users guessed), and as
+    anti-joins the planner hashed every assessment and the campaign's whole send log (9.2 s at 20M rows)."""
+    from send_log_demo import doc_query
+
+    _, sql = doc_query(3)
+    params = {"run_id": "scheduled__run", "cooldown": "7 days"}
+    with backlog.transaction(force_rollback=True):
+        backlog.execute("set local jit = off")
+        [[doc]] = backlog.execute(f"explain (format json) {sql}", params).fetchall()  # type: ignore[arg-type]
+    scans = [(n["Node Type"], n.get("Relation Name"), n.get("Index Name")) for n in _nodes(doc[0]["Plan"])]
+    assert not [x for x in scans if x[0] == "Seq Scan" and x[1] in ("send_log", "assessments", "send_event")], scans
+    assert ("Index Only Scan", "assessments", "assessments_user_id_started_at_idx") in scans
+    [[n]] = backlog.execute(sql, params).fetchall()
+    assert n == 0  # the run's audience (signed up in its 2 days) had no other email
