@@ -489,16 +489,17 @@ WRITE_USER0 = 900_000_000  # minted users of the write-path measure, removed aft
 
 
 def _write_path(conn: psycopg.Connection, chunks: int) -> dict[str, float]:
-    """Median mint and apply ms per chunk of 100 (bench/write_path.py's statements and transactions),
-    after 5 warm-up chunks; the rows, events and batches it wrote are deleted afterwards, so a cached
+    """Median mint and apply ms per chunk of 100 (bench/write_path.py's statements and transactions,
+    first users far above the population's), after 5 warm-up chunks; the rows, events and batches it wrote are deleted afterwards, so a cached
     population keeps its counts."""
     from bench import write_path
 
     tag = os.urandom(3).hex()
+    first = WRITE_USER0 + int(tag, 16) % 10_000 * 10_000  # fresh keys each round (deleted ones stay as dead entries)
     samples = []
     try:
         for i in range(5 + chunks):
-            s = write_path._chunk(conn, WRITE_USER0 + 100 * i, tag, write_path._mint_keyed)
+            s = write_path._chunk(conn, first + 100 * i, tag, write_path._mint_keyed)
             if i >= 5:
                 samples.append(s)
     finally:
@@ -542,30 +543,68 @@ def _audience(conn: psycopg.Connection, anchor: datetime, reps: int) -> dict[str
     return out
 
 
+#: A read still running after this long is stopped and reported as missed (the suite's wall time).
+READ_TIMEOUT_S = 30
+
+
 def _analytics(dsn: str, anchor: datetime, log: Any) -> dict[str, dict[str, Any]]:
     """bench/analytics.py's checks (the views, the progress page's queries, every docs/send_log.md
-    question) with the population's own anchor."""
+    question) with the population's own anchor: each run once to warm the cache, then timed under
+    ``EXPLAIN (ANALYZE, FORMAT JSON)``; one stopped after ``READ_TIMEOUT_S`` counts as that long."""
     from bench import analytics
 
     saved = analytics.ANCHOR
     analytics.ANCHOR = anchor
+    out: dict[str, dict[str, Any]] = {}
     try:
-        got = analytics._check(dsn, False, log)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"set statement_timeout = '{READ_TIMEOUT_S}s'")
+            for name, sql, params, _ in analytics.checks(conn):
+                try:
+                    conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
+                    t0 = time.perf_counter()
+                    [[doc]] = conn.execute(f"explain (analyze, format json) {sql}", params).fetchall()  # type: ignore[arg-type]
+                    ms = (time.perf_counter() - t0) * 1000
+                    scans = analytics.seq_scans(doc[0]["Plan"])
+                    jit = doc[0].get("JIT", {}).get("Timing", {}).get("Total")
+                except psycopg.errors.QueryCanceled:
+                    ms, scans, jit = READ_TIMEOUT_S * 1000.0, ["(stopped after the timeout)"], None
+                log(f"    {name}: {ms:.1f} ms{', seq scan of ' + ', '.join(scans) if scans else ''}", flush=True)
+                out[name] = {"ms": round(ms, 1), "seq_scans": scans, "jit_ms": jit}
     finally:
         analytics.ANCHOR = saved
-    return {m["name"].removeprefix("analytics_"): {"ms": m["value"], "seq_scans": m["params"]["seq_scans"]}
-            for m in got}
+    return out
+
+
+def write_paths(dsns: dict[str, str], quick: bool, log: Any = print) -> dict[str, dict[str, dict[str, Any]]]:
+    """Mint and apply per chunk on each population, in alternating rounds (A B B A A B B A: the drift of a
+    shared machine, its other sessions' I/O and checkpoints, falls on both alike); per population the
+    mean of its rounds' medians."""
+    rounds: dict[str, list[dict[str, float]]] = {k: [] for k in dsns}
+    order = [k for i in range(2) for k in (list(dsns) if i % 2 == 0 else list(dsns)[::-1])] * 2
+    conns = {k: psycopg.connect(d, autocommit=True) for k, d in dsns.items()}
+    try:
+        for k in order:
+            rounds[k].append(_write_path(conns[k], 5 if quick else 20))
+    finally:
+        for c in conns.values():
+            c.close()
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for k, rs in rounds.items():
+        out[k] = {f"{what}_ms_per_chunk": {"value": statistics.mean(r[f"{what}_ms"] for r in rs),
+                                           "unit": "ms per chunk of 100 (median per round, mean of rounds)",
+                                           "rounds": [round(r[f"{what}_ms"], 2) for r in rs]}
+                  for what in ("mint", "apply")}
+        log(f"    write path ({k}): mint {out[k]['mint_ms_per_chunk']['rounds']} ms,"
+            f" apply {out[k]['apply_ms_per_chunk']['rounds']} ms", flush=True)
+    return out
 
 
 def measure(dsn: str, anchor: datetime, quick: bool, log: Any = print) -> dict[str, dict[str, Any]]:
-    """Every measure of the suite on the population in ``dsn``: ``{key: {"value", "unit", ...}}``."""
+    """The reads of the suite on the population in ``dsn``: ``{key: {"value", "unit", ...}}``."""
     out: dict[str, dict[str, Any]] = {}
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("set statement_timeout = '120s'")
-        wp = _write_path(conn, 10 if quick else 40)
-        out["mint_ms_per_chunk"] = {"value": wp["mint_ms"], "unit": "ms per chunk of 100 (median)"}
-        out["apply_ms_per_chunk"] = {"value": wp["apply_ms"], "unit": "ms per chunk of 100 (median)"}
-        log(f"    write path: mint {wp['mint_ms']:.1f} ms, apply {wp['apply_ms']:.1f} ms", flush=True)
         for name, a in _audience(conn, anchor, 2 if quick else 3).items():
             out[f"audience_snapshot_{name}"] = {"value": a["s"], "unit": "s (once per campaign per run)",
                                                 **{k: v for k, v in a.items() if k != "s"}}
@@ -575,7 +614,8 @@ def measure(dsn: str, anchor: datetime, quick: bool, log: Any = print) -> dict[s
                                    **{k: v for k, v in sc.items() if k != "ms"}}
             log(f"    scan {name}: {sc['ms']:.1f} ms", flush=True)
     for name, q in _analytics(dsn, anchor, log).items():
-        out[f"read_{name}"] = {"value": q["ms"], "unit": "ms (EXPLAIN ANALYZE, warm)", "seq_scans": q["seq_scans"]}
+        out[f"read_{name}"] = {"value": q["ms"], "unit": "ms (EXPLAIN ANALYZE, warm)", "seq_scans": q["seq_scans"],
+                               "jit_ms": q["jit_ms"]}
     return out
 
 
@@ -641,8 +681,11 @@ def run(dsn: str, quick: bool = False, log: Any = print) -> list[dict[str, Any]]
         small = measure(sdsn, ANCHOR, quick, log)
         with psycopg.connect(sdsn) as conn:
             small_rows = conn.execute("select count(*) from mail.send_log").fetchone()[0]  # type: ignore[index]
-    log("  20M population:", flush=True)
-    big = measure(hdsn, info["anchor"], quick, log)
+        log("  20M population:", flush=True)
+        big = measure(hdsn, info["anchor"], quick, log)
+        wp = write_paths({"1M": sdsn, "20M": hdsn}, quick, log)
+        small |= wp["1M"]
+        big |= wp["20M"]
     for key, b in big.items():
         s = small.get(key)
         sv = s["value"] if s else float("nan")
