@@ -486,11 +486,15 @@ SCANS = [
     ("repair", "held_batches", {"identities": ["bench-key"]}),
 ]
 WRITE_USER0 = 900_000_000  # minted users of the write-path measure, removed afterwards
+#: Chunks minted and applied before each round's measured ones: they bring the pages the chunks write
+#: (the indexes' right edges, the heap's end) into the buffer cache, which a 25 GB database shares with
+#: every other session of the server.
+WARM_CHUNKS = 15
 
 
 def _write_path(conn: psycopg.Connection, chunks: int) -> dict[str, float]:
     """Median mint and apply ms per chunk of 100 (bench/write_path.py's statements and transactions,
-    first users far above the population's), after 5 warm-up chunks; the rows, events and batches it wrote are deleted afterwards, so a cached
+    first users far above the population's), after ``WARM_CHUNKS`` warm-up chunks; the rows, events and batches it wrote are deleted afterwards, so a cached
     population keeps its counts."""
     from bench import write_path
 
@@ -498,9 +502,9 @@ def _write_path(conn: psycopg.Connection, chunks: int) -> dict[str, float]:
     first = WRITE_USER0 + int(tag, 16) % 10_000 * 10_000  # fresh keys each round (deleted ones stay as dead entries)
     samples = []
     try:
-        for i in range(5 + chunks):
+        for i in range(WARM_CHUNKS + chunks):
             s = write_path._chunk(conn, first + 100 * i, tag, write_path._mint_keyed)
-            if i >= 5:
+            if i >= WARM_CHUNKS:
                 samples.append(s)
     finally:
         with conn.transaction():
