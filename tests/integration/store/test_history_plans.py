@@ -228,5 +228,15 @@ def test_q3_probes_each_audience_user_by_index(backlog: psycopg.Connection) -> N
     scans = [(n["Node Type"], n.get("Relation Name"), n.get("Index Name")) for n in _nodes(doc[0]["Plan"])]
     assert not [x for x in scans if x[0] == "Seq Scan" and x[1] in ("send_log", "assessments", "send_event")], scans
     assert ("Index Only Scan", "assessments", "assessments_user_id_started_at_idx") in scans
+
+    def unlimited(node: dict[str, Any], limited: bool = False) -> list[str]:
+        """Scans of send_log / assessments with no LIMIT above them (a whole-table anti-join input)."""
+        limited = limited or node["Node Type"] == "Limit"
+        own = [f"{node['Node Type']} {node.get('Index Name')}"] if (
+            node.get("Relation Name") in ("send_log", "assessments") and not limited
+            and node.get("Index Name") != "send_log_run_idx") else []
+        return own + [x for c in node.get("Plans", []) for x in unlimited(c, limited)]
+
+    assert unlimited(doc[0]["Plan"]) == []  # each check is a `lateral (... limit 1)` probe per audience user
     [[n]] = backlog.execute(sql, params).fetchall()
     assert n == 0  # the run's audience (signed up in its 2 days) had no other email
