@@ -4,7 +4,8 @@ PostgreSQL (TEST_DATABASE_URL or the embedded server) and the emulator, and writ
 ``bench/results/latest.md`` (the table). See docs/performance.md.
 
 Suites, cheapest first: pipeline (metric 3), memory (5), dag_import (7), provider (1, 2),
-audience (4, and metric 3 at 1M users), lifecycle_e2e (8: end-to-end lifecycle utilisation),
+audience (4, and metric 3 at 1M users), history (the send log at 20M rows beside the 1M population, as
+ratios; its population is cached between runs, see bench/history.py), lifecycle_e2e (8: end-to-end lifecycle utilisation),
 dispatch (6), webhooks (webhook ingestion and outcome coverage). A suite that fails is recorded as a failed
 metric and the others still run; the exit code is 1 if any suite failed.
 """
@@ -27,6 +28,7 @@ from bench import (
     audience,
     dag_import,
     dispatch,
+    history,
     lifecycle_e2e,
     memory,
     pipeline,
@@ -42,6 +44,7 @@ SUITES = {
     "dag_import": dag_import.run,
     "provider": provider.run,
     "audience": audience.run,
+    "history": history.run,
     "lifecycle_e2e": lifecycle_e2e.run,
     "dispatch": dispatch.run,
     "webhooks": webhooks.run,

@@ -99,7 +99,8 @@ def _mint_keyed(conn: psycopg.Connection, who: dict[str, Any], users: range, tag
         "campaign": "first_practice", "page": Jsonb(page), "key": key,
         "interval_start": None, "interval_end": None}).fetchall()
     conn.execute(query("mint", "save_batch_keyed"), {"key": key, "campaign": "first_practice",
-                                                     "count": len(ids), "body": b"[]", "validation": "strict"})
+                                                     "count": len(ids), "body": b"[]", "validation": "strict",
+                                                     "key_identity": None, "content_hash": None})
     assert len(got) == len(ids)
     return ids
 

@@ -190,16 +190,27 @@ returning send_log_id
 -- first. <= 0: claim now; null: nothing pending in any active campaign. Rows pick_due would not
 -- take are left out the same way (held behind a canary, or the reputation guard tripped for the
 -- campaign or the account), so a held row never makes the dispatcher spin.
+-- Read head first, per active campaign: its first `batch` pending rows in scheduled_at order, one
+-- ordered range of send_log_campaign_open_idx (campaign, scheduled_at) each, then the first `batch`
+-- of those (the first `batch` of the union of every campaign's first `batch` is the first `batch`
+-- overall). A call costs the same whatever the campaigns' backlogs (a join of the campaigns to all
+-- their pending rows, then a sort, read every planned row of a big campaign on every call).
 with p as (
-    select d.scheduled_at
-    from mail.send_log d
-    join mail.campaign c on c.name = d.campaign and c.status = 'scheduled'
-    where d.status = 'pending' and d.kind = 'scheduled'
-      and (c.canary_share is null or c.canary_released_at is not null or d.id <= c.canary_last_id)
+    select x.scheduled_at
+    from mail.campaign c
+    cross join lateral (
+        select d.scheduled_at
+        from mail.send_log d
+        where d.campaign = c.name and d.status = 'pending' and d.kind = 'scheduled'
+          and (c.canary_share is null or c.canary_released_at is not null or d.id <= c.canary_last_id)
+        order by d.scheduled_at
+        limit %(batch)s
+    ) as x
+    where c.status = 'scheduled'
       and not exists (select 1 from mail.reputation_guard g
                       where g.state = 'tripped' and g.scope = 'campaign' and g.name = c.name)
       and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
-    order by d.scheduled_at
+    order by x.scheduled_at
     limit %(batch)s
 )
 select extract(epoch from least(min(scheduled_at) + make_interval(secs => %(coalesce)s),
