@@ -61,7 +61,7 @@ from starlette.routing import Route
 
 from mailflow import settings
 from mailflow.feedback.unsubscribe_pages import confirm_form, render_page, scope_label
-from mailflow.feedback.unsubscribe_server import FD_RESERVE, ServerLimits, serve
+from mailflow.feedback.unsubscribe_server import FD_RESERVE, ServerLimits, dsn_option, serve
 from mailflow.feedback.unsubscribe_tokens import (
     ALL_MARKETING,
     ExpiredToken,
@@ -348,13 +348,6 @@ def connect_factory(dsn: str, *, connect_timeout: int = 5, statement_timeout_ms:
     return connect
 
 
-def _dsn_option(ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
-    """``--dsn``, else ``mailflow --dsn``, else ``MAILFLOW_UNSUBSCRIBE_DSN``, else ``MAILFLOW_DSN``."""
-    dsn = value or ctx.meta.get("mailflow.dsn") or os.environ.get(DSN_ENV) or os.environ.get("MAILFLOW_DSN")
-    if not dsn:
-        raise click.UsageError(f"--dsn, {DSN_ENV} or MAILFLOW_DSN is required")
-    return str(dsn)
-
 
 _LIMITS = ServerLimits()
 
@@ -362,7 +355,7 @@ _LIMITS = ServerLimits()
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8090, show_default=True)
-@click.option("--dsn", callback=_dsn_option, metavar="DSN",
+@click.option("--dsn", callback=dsn_option(DSN_ENV), metavar="DSN",
               help=f"send-log database (default: {DSN_ENV} or MAILFLOW_DSN)")
 @click.option("--brand", default="Aptitude Practice", show_default=True)
 @click.option("--header-timeout", type=float, default=_LIMITS.header_timeout, show_default=True, metavar="SECONDS",

@@ -30,9 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import click
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +185,17 @@ def serve(app: Any, *, host: str, port: int, limits: ServerLimits, proxy_headers
              limits.max_header_bytes, limits.connection_cap())
     uvicorn.run(app, host=host, port=port, http=protocol, access_log=False, proxy_headers=proxy_headers,
                 log_level="info", timeout_keep_alive=limits.keep_alive)
+
+
+def dsn_option(env: str) -> Callable[[click.Context, click.Parameter, str | None], str]:
+    """A click callback for a server's ``--dsn``: the option, else ``mailflow --dsn`` (the group's,
+    kept in ``ctx.meta``), else the server's own variable ``env``, else ``MAILFLOW_DSN``.
+
+    :raises click.UsageError: (exit 2) when none is set.
+    """
+    def callback(ctx: click.Context, _param: click.Parameter, value: str | None) -> str:
+        dsn = value or ctx.meta.get("mailflow.dsn") or os.environ.get(env) or os.environ.get("MAILFLOW_DSN")
+        if not dsn:
+            raise click.UsageError(f"--dsn, {env} or MAILFLOW_DSN is required")
+        return str(dsn)
+    return callback
