@@ -291,7 +291,9 @@ def test_mail_analyst_reads_everything_in_mail_and_nothing_else(db: psycopg.Conn
                       " from pg_roles where rolname = 'mail_analyst'").fetchone()
     assert role == (False, False, False, False, True, False)
     relations = mail_relations(db)
-    assert {r for r, k in relations if k == "v"} == set(VIEWS)
+    # mail.campaign_lift comes from the demo loader (it reads app.*), so it is there only after a test
+    # loaded demo data into this database
+    assert {r for r, k in relations if k == "v"} - {"campaign_lift"} == set(VIEWS)
     for name, _ in relations:
         if name == "send_batch":
             continue
