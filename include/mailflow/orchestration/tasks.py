@@ -284,15 +284,6 @@ def _run_context(context: Mapping[str, Any]) -> RunContext:
     return RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
 
 
-def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``provision_campaign`` DAG's ``provision`` task (after its approval):
-    :func:`mailflow.orchestration.campaign_tasks.provision_task`, listed here with the other task
-    entry points."""
-    from mailflow.orchestration.campaign_tasks import provision_task as provision_approved
-
-    return provision_approved(context)
-
-
 def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """The ``dispatch_scheduled_emails`` DAG's task: Params ``time_budget_seconds``,
     ``coalesce_seconds``. Builds the renderer and the paced Resend client from the connections and

@@ -356,7 +356,7 @@ def test_scheduled_cli_refuses_a_behind_schema_instead_of_migrating(fresh: str, 
 
 def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every task entry point fails with SchemaNotCurrent on a behind database and applies nothing."""
-    from mailflow.orchestration import tasks
+    from mailflow.orchestration import campaign_tasks, tasks
 
     with psycopg.connect(fresh, autocommit=True) as conn:
         migrate(conn, target=3)
@@ -371,7 +371,7 @@ def test_tasks_check_the_schema_and_never_migrate(fresh: str, monkeypatch: pytes
     context = {"params": {"campaign_id": 1}, "ti": TI(), "data_interval_start": pendulum.datetime(2026, 1, 1),
                "data_interval_end": pendulum.datetime(2026, 1, 1, 1)}
     for call in (tasks.lifecycle, tasks.reconcile_send_log, tasks.feedback_task, tasks.webhook_sweep_task,
-                 tasks.provision_task, tasks.dispatch_task):
+                 campaign_tasks.provision_task, tasks.dispatch_task):
         with pytest.raises(SchemaNotCurrent, match="0004_analytics.sql"):
             call(context)
     with psycopg.connect(fresh) as conn:
