@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from mailflow.campaigns import CAMPAIGNS_DIR, CampaignFolder
-from mailflow.sources.scheduled import CampaignStateError, provision
+from mailflow.sources.scheduled import CampaignStateError, pause, provision, resume
 from mailflow.sources.scheduled.definition import CampaignDefinitionError, check_stored
 from mailflow.sources.scheduled.spec import create_campaign, update_draft
 from mailflow.store.migrate import migration_files
@@ -78,7 +78,7 @@ def refused_field(fn: Any, *args: Any, **kw: Any) -> tuple[list[str], str]:
 @pytest.mark.parametrize(("changes", "field", "reason"), [
     ({"emails_per_dya": 30}, "emails_per_dya", "unknown key"),
     ({"from": "not-an-address"}, "from", "is not a valid address"),
-    ({"reply_to": "help@"}, "reply_to", "is not an email address"),
+    ({"reply_to": "help@"}, "reply_to", "is not a valid address"),
     ({"timezone": "Mars/Olympus"}, "timezone", "unknown IANA timezone"),
     ({"windows": ["25:00-26:00"]}, "windows", "not a valid time of day"),
     ({"windows": ["17:00-09:00"]}, "windows", "write '17:00-09:00+1'"),
@@ -129,6 +129,26 @@ def test_a_csv_with_a_bad_row_writes_nothing(pg: psycopg.Connection, folder: Cam
     with pytest.raises(ValueError, match=r"list\.csv:3: user_id is not an integer"):
         create_campaign(pg, spec, folder=folder, base_dir=tmp_path)
     assert counts(pg) == (0, 0, 0)
+
+
+def test_a_csv_listing_a_user_twice_is_refused_naming_the_file_and_line(pg: psycopg.Connection, folder: CampaignFolder,
+                                                                       tmp_path: Path) -> None:
+    (tmp_path / "dup.csv").write_text("user_id,email,first_name\n1,a@example.com,A\n1,a@example.com,A\n")
+    spec = {k: v for k, v in SPEC.items() if k != "recipients_sql"} | {"recipients_csv": "dup.csv"}
+    with pytest.raises(ValueError, match=r"recipients_csv .*dup\.csv:3: user_id 1 is listed twice"):
+        create_campaign(pg, spec, folder=folder, base_dir=tmp_path)
+    assert counts(pg) == (0, 0, 0)
+
+
+def test_a_draft_paused_and_resumed_is_a_draft_again(pg: psycopg.Connection, folder: CampaignFolder) -> None:
+    cid = create_campaign(pg, SPEC, actor="ops", folder=folder)
+    assert pause(pg, cid, actor="ops")["status"] == "paused"
+    assert resume(pg, cid, actor="ops")["status"] == "draft"
+    assert campaign_row(pg, cid)["status"] == "draft"
+    events = pg.execute("select from_status, to_status from mail.campaign_event where campaign_id = %s order by id",
+                        (cid,)).fetchall()
+    assert events == [(None, "draft"), ("draft", "paused"), ("paused", "draft")]
+    update_draft(pg, SPEC["name"], SPEC | {"emails_per_day": 5}, actor="ops", folder=folder)  # still editable
 
 
 def test_a_valid_definition_is_stored_with_holidays_and_one_window_spelling(pg: psycopg.Connection,

@@ -33,7 +33,13 @@ def refused(**changes: Any) -> CampaignDefinitionError:
 @pytest.mark.parametrize(("changes", "field", "reason"), [
     ({"emails_per_dya": 30}, "emails_per_dya", "unknown key (a typo?)"),
     ({"from": "not-an-address"}, "from", "'not-an-address' is not a valid address"),
-    ({"from": "Outreach <outreach@mail.example.com"}, "from", "is not an email address"),
+    ({"from": "Outreach <outreach@mail.example.com"}, "from", "is not one email address"),
+    ({"from": "Team\r\nBcc: x@evil.com <team@example.com>"}, "from", "contains a control character"),
+    ({"from": "a@example.com, b@example.com"}, "from", "is not one email address"),
+    ({"from": "team@example.com>"}, "from", "is not one email address"),
+    ({"from": "Team <team@example.com> garbage"}, "from", "is not one email address"),
+    ({"reply_to": "x@example.com; y@example.com"}, "reply_to", "is not one email address"),
+    ({"start_at": "9999-12-31T23:59:59+00:00"}, "start_at", "is after 2200: a typo?"),
     ({"reply_to": "support@"}, "reply_to", "reply_to 'support@' is not"),
     ({"reply_to": "Support <support at example.com>"}, "reply_to", "reply_to 'Support <support at example.com>'"),
     ({"timezone": "Mars/Olympus"}, "timezone", "unknown IANA timezone 'Mars/Olympus'"),
@@ -197,3 +203,9 @@ def test_a_misspelled_lifecycle_key_is_refused(tmp_path: Path) -> None:
         load_campaigns(toml)
     assert info.value.field == "audiance_window"
     assert "campaign 'first_practice': unknown key 'audiance_window'" in str(info.value)
+
+
+@pytest.mark.parametrize("sender", ["a@example.com", "Team <team@example.com>", '"Doe, Jane" <jane@example.com>',
+                                    "José <jose@exämple.com>"])
+def test_one_mailbox_in_every_spelling_is_accepted(sender: str) -> None:
+    assert parse_definition(BASE | {"from": sender}).from_address == sender

@@ -105,7 +105,8 @@ def hold(conn: psycopg.Connection, name: str, reason: str, *, actor: str | None 
 
 def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None = None,
            actor: str | None = None) -> dict[str, Any]:
-    """Resume a paused campaign (status -> ``scheduled``) under the module's pause/resume rule: if a
+    """Resume a paused campaign (status -> ``scheduled``; -> ``draft`` if it was paused before any
+    row was provisioned, so it still goes through its approval) under the module's pause/resume rule: if a
     pending row's time passed (``scheduled_at < now``), every pending row is re-planned in its
     order from ``now`` (the resume day keeps its per-day cap); otherwise no time changes. One
     transaction; resuming a scheduled campaign changes nothing.
@@ -125,6 +126,12 @@ def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None =
                     "replanned": 0, "first": None, "last": None}
         if c["status"] != "paused":
             raise CampaignStateError(f"campaign {c['name']!r} is {c['status']}: only a paused campaign resumes")
+        if c["provision_cursor"] is None and int(c["provisioned_count"]) == 0:
+            # paused before any provisioning: it goes back to draft, so it still needs its approval
+            # (provision_campaign) before anything is scheduled, and its definition stays editable
+            _transition(conn, campaign_id, ("paused",), "draft", actor, reason="resumed before provisioning")
+            return {"campaign": c["name"], "status": "draft", "changed": True, "overdue": 0,
+                    "replanned": 0, "first": None, "last": None}
         pending = ScheduledStore(conn).pending_in_order(c["name"])
         overdue = sum(1 for _, t in pending if t < at)
         times: list[datetime] = []

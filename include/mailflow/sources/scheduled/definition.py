@@ -8,9 +8,9 @@ Strict: an unknown key is an error (``emails_per_dya``), types are not coerced f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import datetime, time
-from email.utils import parseaddr
 from typing import Annotated, Any, Literal
 
 import email_validator
@@ -23,6 +23,8 @@ __all__ = ["RESERVED_NAMES", "CampaignDefinition", "CampaignDefinitionError", "c
            "parse_definition", "parse_window"]
 
 NAME_PATTERN = r"^[a-z0-9_]{1,64}$"
+#: the latest year a campaign may start in: later is a typo, and the planner's calendar ends at 9999
+LAST_START_YEAR = 2200
 RECIPIENT_SOURCES = ("recipients_sql", "recipients_table", "recipients_csv")
 
 
@@ -53,17 +55,26 @@ class CampaignDefinitionError(ValueError):
         return [f for f, _ in self.errors]
 
 
+#: one mailbox, bare or as ``Display Name <addr>`` (the name plain or double-quoted), nothing else: no
+#: second address, no stray brackets, no group syntax (RFC 5322 3.4 "mailbox")
+_MAILBOX = re.compile(r'^(?:(?:"(?:[^"\\]|\\.)*"|[^"<>,;:@]*?)\s*<(?P<angle>[^<>\s,;]+)>|(?P<bare>[^<>\s,;"]+))$')
+
+
 def check_address(value: str, field: str) -> str:
-    """Validate a sender-side address, bare (``news@example.com``) or with a display name
-    (``Mailflow <news@example.com>``), by RFC 5322 syntax (``email.utils.parseaddr``) and the
-    address itself by email-validator (no DNS lookup). Returns ``value`` stripped.
+    """Validate a sender-side address: one mailbox, bare (``news@example.com``) or with a display name
+    (``Mailflow <news@example.com>``, ``"Doe, Jane" <jane@example.com>``), per RFC 5322's ``mailbox``;
+    the address itself by email-validator (no DNS lookup). A control character (a CR/LF would inject a
+    header), a second address, a stray bracket or trailing text is refused. Returns ``value`` stripped.
 
     :raises ValueError: naming ``field`` and the reason.
     """
     text = value.strip()
-    name, addr = parseaddr(text)
-    if not addr or ("<" in text and not text.endswith(">")):
-        raise ValueError(f"{field} {value!r} is not an email address (write a@example.com or Name <a@example.com>)")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise ValueError(f"{field} {value!r} contains a control character (a line break would inject a header)")
+    m = _MAILBOX.match(text)
+    if not m:
+        raise ValueError(f"{field} {value!r} is not one email address (write a@example.com or Name <a@example.com>)")
+    addr = m.group("angle") or m.group("bare")
     try:
         email_validator.validate_email(addr, check_deliverability=False)
     except email_validator.EmailNotValidError as exc:
@@ -187,6 +198,8 @@ class CampaignDefinition(BaseModel):
     def _aware(cls, v: datetime | None) -> datetime | None:
         if v is not None and v.tzinfo is None:
             raise ValueError("must carry a UTC offset (e.g. 2026-12-07T09:00:00+01:00)")
+        if v is not None and v.year > LAST_START_YEAR:
+            raise ValueError(f"{v.isoformat()} is after {LAST_START_YEAR}: a typo? (a plan must fit in the calendar)")
         return v
 
     @model_validator(mode="after")

@@ -310,21 +310,27 @@ def upload_recipients(conn: psycopg.Connection, campaign_id: int, path: Path) ->
     """Load a CSV recipient list (header: user_id, email, first_name, extra columns -> ``context``)
     into ``mail.campaign_recipient`` with COPY; return the rows loaded.
 
-    :raises ValueError: if a required column is missing or a user_id is not an integer.
+    :raises ValueError: naming the file, ``recipients_csv`` and the line: a required column is missing,
+        a user_id is not an integer or appears twice.
     """
     with open(path, newline="", encoding="utf-8") as fh, conn.transaction():
         reader = csv.DictReader(fh)
         cols = set(reader.fieldnames or ())
         if not {"user_id", "email"} <= cols:
-            raise ValueError(f"{path}: the header needs user_id and email columns, got {sorted(cols)}")
+            raise ValueError(f"recipients_csv {path}: the header needs user_id and email columns, got {sorted(cols)}")
         n = 0
+        seen: set[int] = set()
         with conn.cursor().copy("copy mail.campaign_recipient (campaign_id, user_id, email, first_name, context)"
                                 " from stdin") as copy:
             for i, rec in enumerate(reader, start=2):
                 try:
                     uid = int(rec.pop("user_id"))
                 except (TypeError, ValueError):
-                    raise ValueError(f"{path}:{i}: user_id is not an integer") from None
+                    raise ValueError(f"recipients_csv {path}:{i}: user_id is not an integer") from None
+                if uid in seen:
+                    # one row per user and campaign (the table's key): refused here, naming both lines
+                    raise ValueError(f"recipients_csv {path}:{i}: user_id {uid} is listed twice")
+                seen.add(uid)
                 email = rec.pop("email")
                 first = rec.pop("first_name", None)
                 copy.write_row((campaign_id, uid, email, first, json.dumps(rec)))
