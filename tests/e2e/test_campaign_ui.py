@@ -92,6 +92,10 @@ def rig(pg_admin_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         assert not group_alive(standalone.pid), "processes of airflow standalone outlived stop()"
 
 
+#: seconds between seeing the approval wait and answering it (see answer_approval)
+AWAIT_SETTLE_SECONDS = 5.0
+
+
 def wait_for(what: str, check: Any, timeout: float, every: float = 1.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -118,6 +122,12 @@ def answer_approval(api: AirflowApi, run_id: str, option: str) -> dict[str, Any]
     path = f"dags/provision_campaign/dagRuns/{run_id}/taskInstances/approve/-1/hitlDetails"
     wait_for("approval awaiting input",
              lambda: states(api, "provision_campaign", run_id).get("approve") == "awaiting_input", 180)
+    # A person answers seconds later, not milliseconds: an answer that lands before the executor has
+    # reported the paused task's process as ended makes Airflow 3.3.2's scheduler see a queued task that
+    # "finished with state success" and run it again, which asks again (seen in a CI run). Wait for the
+    # process to be reaped, then check the task still waits.
+    time.sleep(AWAIT_SETTLE_SECONDS)
+    assert states(api, "provision_campaign", run_id).get("approve") == "awaiting_input"
     detail = dict(api.get(path))
     api.patch(path, {"chosen_options": [option], "params_input": {}})
     return detail
