@@ -58,7 +58,9 @@ def test_the_runtime_set_changes_no_distribution_of_a_clean_airflow(tmp_path: Pa
     assert result["pip_check"] == "No broken requirements found."
     assert result["ok"] is True
     grown = round(result["size_mb"]["after"] - result["size_mb"]["before"], 1)
-    assert 0 < grown < 10, result["size_mb"]  # the package and one small library, no tools
+    # the package, standardwebhooks and holidays (about 9 MB: every country's calendar and its
+    # translations), no tools: 12.4 MB measured on 2026-12-03
+    assert 0 < grown < 16, result["size_mb"]
     # the report: what a team's image gains
     record_property("added", result["added"])
     record_property("size_mb", result["size_mb"])
