@@ -292,7 +292,7 @@ def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
     :raises AirflowFailException: for an unknown name or a stored definition that cannot be
         provisioned (not retried).
     """
-    from mailflow.orchestration.tasks import _run_context, campaign_folder, send_log_connection
+    from mailflow.orchestration.tasks import campaign_folder, run_context, send_log_connection
     from mailflow.sources.scheduled.provisioning import provision
     from mailflow.store.migrate import require_current
 
@@ -303,7 +303,7 @@ def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
         c = _provisionable(conn, context)
         try:
             summary = provision(conn, int(c["id"]), now=datetime.now(UTC), chunk=int(params.get("chunk_size") or 5000),
-                                run=_run_context(context), folder=campaign_folder(context))
+                                run=run_context(context), folder=campaign_folder(context))
         except ValueError as exc:
             raise _fail(f"campaign {c['name']!r}: {exc}") from None
     out = summary.as_dict()
@@ -322,7 +322,7 @@ def control_task(context: Mapping[str, Any]) -> dict[str, Any]:
     :raises AirflowFailException: for an unknown conf key, an unknown name or action, or an action
         the campaign's status does not allow (naming both); not retried.
     """
-    from mailflow.orchestration.tasks import _run_context, send_log_connection
+    from mailflow.orchestration.tasks import run_context, send_log_connection
     from mailflow.sources.scheduled import control
     from mailflow.sources.scheduled.campaign_db import CampaignStateError
     from mailflow.store.migrate import require_current
@@ -344,7 +344,7 @@ def control_task(context: Mapping[str, Any]) -> dict[str, Any]:
             elif action == "resume":
                 out = control.resume(conn, cid, actor=who)
             elif action == "cancel":
-                out = control.cancel(conn, cid, actor=who, run=_run_context(context))
+                out = control.cancel(conn, cid, actor=who, run=run_context(context))
             elif action == "complete":
                 done = control.complete(conn, cid, actor=who)
                 if not done:

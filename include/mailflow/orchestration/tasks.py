@@ -160,8 +160,7 @@ def lifecycle(context: dict[str, Any]) -> list[dict[str, Any]]:
     if context.get("data_interval_start") is None or context.get("data_interval_end") is None:
         raise AirflowFailException(NO_DATA_INTERVAL)
     interval = DataInterval(context["data_interval_start"], context["data_interval_end"])
-    ti = context["ti"]
-    run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
+    run = run_context(context)
     folder = campaign_folder(context)
     campaigns = campaigns_param(params, folder)
     renderer = renderer_for(folder)
@@ -226,8 +225,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     from mailflow.store.migrate import require_current
 
     params = context["params"]
-    ti = context["ti"]
-    run = RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
+    run = run_context(context)
     stale = float(params.get("stale_after_seconds") or settings.stale_after_seconds())
     budget = budget_fits(context, float(params.get("time_budget_seconds", 600)))
     with send_log_connection() as conn:
@@ -279,7 +277,8 @@ def _dag_id(context: Mapping[str, Any]) -> str:
     return str(getattr(ti, "dag_id", None) or getattr(context.get("dag"), "dag_id", None) or "unknown")
 
 
-def _run_context(context: Mapping[str, Any]) -> RunContext:
+def run_context(context: Mapping[str, Any]) -> RunContext:
+    """The task's ``(dag_id, run_id, task_id)``, recorded on the rows and events it writes."""
     ti = context["ti"]
     return RunContext(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id)
 
@@ -302,7 +301,7 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
         require_current(conn)
         client = ResendHook(settings.RESEND_CONN_ID).get_conn()
         try:
-            summary = dispatch(conn, client, renderer, run=_run_context(context),
+            summary = dispatch(conn, client, renderer, run=run_context(context),
                                budget_seconds=budget,
                                coalesce_seconds=float(params.get("coalesce_seconds", COALESCE_SECONDS)),
                                pipelined=settings.pipelined(), folder=folder)
