@@ -47,7 +47,7 @@ def test_dag_test_resumes_a_tripped_campaign(airflow_db: Any, db: psycopg.Connec
                " select u, 'welcome', 'u' || u || '@example.com', 'sent', now(), 'p' || u from generate_series(1, 10) u")
     db.execute("insert into mail.delivery_status (send_log_id, provider_message_id, last_event, checks, outcome,"
                " hard_bounced_at) select id, provider_message_id, 'bounced', 0, 'hard_bounced', now() from mail.send_log")
-    [trip] = reputation.evaluate(db, ["welcome"], config=GuardConfig(min_sample=10), include_account=False)
+    [trip] = reputation.evaluate(db, ["welcome"], config=GuardConfig(), include_account=False)
     assert reputation.blocked(db, "welcome") is not None
 
     dr = dagbag.dags["resume_sending"].test(run_conf={"scope": "campaign", "name": "welcome",

@@ -166,7 +166,8 @@ class CampaignSummary:
     address the provider rejected earlier in this run; a later run decides again); ``holdout`` = users
     recorded in the campaign's holdout group (a ``holdout`` row, no email; docs/model.md, "Holdout
     groups"); ``not_reached``
-    (also ``skipped``) = eligible users not decided (time budget or stop), without a row.
+    (also ``skipped``) = eligible users not decided (time budget or stop), without a row; ``waited``
+    = seconds the campaign waited for outcomes (the reputation guard's exposure bound).
 
     :meth:`emails` counts the rows the run wrote the way every other summary counts the send log
     (:mod:`mailflow.model.tally`): an invalid address is a ``failed`` row there, of which ``invalid``."""
@@ -184,6 +185,7 @@ class CampaignSummary:
     duplicates: int = 0
     held: int = 0
     holdout: int = 0
+    waited: float = 0.0
 
     @property
     def not_reached(self) -> int:

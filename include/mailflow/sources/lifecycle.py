@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from functools import partial
+from typing import Any
 
 from mailflow.campaigns import Campaign
 from mailflow.model.clock import Clock, SystemClock
@@ -27,7 +28,7 @@ from mailflow.model.outcome import (
     SendError,
     Unknown,
 )
-from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
+from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker, breaker_account
 from mailflow.sendloop.engine import (
     CLAIM_AT_SEND,
     MAX_BATCH,
@@ -117,6 +118,9 @@ def run_lifecycle(
     state.breaker = breaker or (CircuitBreaker.for_run(conn, provider, run) if conn is not None else None)
     if conn is not None:
         state.guard = partial(reputation.blocked, conn)
+        state.admit = partial(reputation.admit, conn, account=breaker_account(provider))
+        state.account = breaker_account(provider)
+        state.evaluate = partial(reputation.evaluate, conn, account=reputation.guard_account(conn, state.account))
     open_audience = getattr(store, "open_audience", None)
     close_audience = getattr(store, "close_audience", None)
     pipe = ChunkPipeline(store, provider, run, enabled=pipelined, apply_store=apply_store)
@@ -191,6 +195,12 @@ class _RunState:
     refused: set[str] = dataclasses.field(default_factory=set)
     #: why a campaign may not send now (the reputation guard, :func:`mailflow.store.reputation.blocked`)
     guard: Callable[[str], str | None] | None = None
+    #: how many of a chunk's emails the guard's exposure bound lets go (:func:`mailflow.store.reputation.admit`)
+    admit: Callable[[str, int], reputation.Admission] | None = None
+    #: the provider account the run sends through (the guard's account scope)
+    account: str | None = None
+    #: the guard's evaluation of a campaign (starts a spent exposure round again once its outcomes are in)
+    evaluate: Callable[[list[str]], Any] | None = None
 
     def halted(self, campaign: str) -> bool:
         """Whether ``campaign`` must mint or send nothing more: the run stopped, or that campaign did."""
@@ -242,14 +252,18 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
         if state.breaker is not None and state.breaker.admit(provider, deadline, clock) is not None:
             summary.stopped = state.stop = CIRCUIT_OPEN  # nothing minted: nobody is charged
             return
-        if state.guard is not None and (held := state.guard(campaign.name)) is not None:
-            summary.stopped = held  # tripped while the campaign was sending: nothing more is minted
-            log.warning("%s: stopped: %s", campaign.name, held)
-            return
+        limit = chunk_size
+        if state.admit is not None:
+            granted = _admitted(campaign.name, chunk_size, summary, deadline, clock, state)
+            if granted is None:
+                return
+            limit = granted
         minted = store.mint_chunk(
-            campaign, window, cooldown_since, after=cursor, limit=chunk_size, run=run,
+            campaign, window, cooldown_since, after=cursor, limit=limit, run=run,
             interval=(interval.start, interval.end), prepare=prepare,
         )
+        if state.admit is not None and (unused := limit - (len(minted.batch.row_ids) if minted.batch else 0)) > 0:
+            reputation.refund(store.conn, campaign.name, unused, account=state.account)  # type: ignore[attr-defined]
         if minted.page_size == 0:
             return
         cursor = minted.cursor
@@ -282,6 +296,32 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             _drain(store, pipe, run, state)
             if state.halted(campaign.name):
                 return
+
+
+def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, clock: Clock,
+              state: _RunState) -> int | None:
+    """How many emails of the next chunk the reputation guard lets go (1..asked), or None when the campaign
+    stops: tripped (``summary.stopped`` names the trip), or its exposure round stays spent until the budget
+    runs out (``summary.stopped`` says it waited for outcomes). While the round is spent the run waits,
+    asking the guard again every second (its evaluation starts a new round once the outcomes are in):
+    sending ramps with the feedback instead of outrunning it."""
+    assert state.admit is not None
+    while True:
+        admission = state.admit(name, asked)
+        if admission.reason is not None:
+            summary.stopped = admission.reason  # tripped while the campaign was sending: nothing more is minted
+            log.warning("%s: stopped: %s", name, admission.reason)
+            return None
+        if admission.granted > 0:
+            return admission.granted
+        if clock.monotonic() + 1.0 >= deadline:
+            summary.stopped = f"time budget while waiting for outcomes: {admission.waiting}"
+            log.warning("%s: stopped: %s", name, summary.stopped)
+            return None
+        summary.waited += 1.0
+        clock.sleep(1.0)
+        if state.evaluate is not None:
+            state.evaluate([name])
 
 
 def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState) -> None:

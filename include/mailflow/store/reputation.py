@@ -1,41 +1,63 @@
-"""The reputation guard: rolling hard-bounce and complaint rates per campaign and per provider account,
-and the stop they impose when a rate passes its threshold (``mail.reputation_guard``, migration 0020).
+"""The reputation guard: sequential tests of the hard-bounce and complaint rates per campaign and per
+provider account, the stop they impose when a rate crosses its line, and the bound on what a scope may
+send before its rates are known (``mail.reputation_guard``, migrations 0020 and 0033; docs/operations.md,
+"Reputation guard").
 
-Email providers suspend accounts whose bounce or complaint rates stay high, which stops every campaign
-of the user. The guard stops the one at fault first. The defaults come from the published guidance in
-``resend-contract.md`` "Deliverability thresholds" (docs/operations.md, "Reputation guard"):
+Email providers suspend accounts whose bounce or complaint rates stay high, which stops every campaign of
+the user. The strictest published lines (``resend-contract.md``, "Deliverability thresholds"): Resend's
+acceptable-use policy, complaints under 0.08 % and bounces under 4 %; Amazon SES, review at 5 % bounces or
+0.1 % complaints, pause at 10 % or 0.5 %; Gmail and Yahoo (2024), spam rate under 0.1 %, never 0.3 %. The
+guard's default lines are half the strictest: **2 % hard bounces, 0.04 % complaints** (:class:`GuardConfig`;
+per account in ``mail.reputation_setting``).
 
-* hard bounces: 5 %. Amazon SES puts an account under review at about 5 % and may pause it at about
-  10 %; other providers publish 2-10 %. Only permanent bounces count (a transient bounce says nothing
-  about the list).
-* complaints: 0.3 %. Gmail and Yahoo's bulk-sender rules (2024): keep the spam rate under 0.1 % and
-  never reach 0.3 %; SES reviews at about 0.1 % and may pause at about 0.5 %.
-* minimum sample: 500 emails with an outcome (below it one unlucky email is a large rate); window:
-  emails sent in the last 24 hours, at most the latest 2,000 of them with an outcome.
+What is counted. Every outcome once, when it arrives: each evaluation adds to a scope's statistics what the
+outcome counters (``mail.campaign_counts``, migration 0028) gained since the previous evaluation. An email
+without an outcome is never evidence; the newest sends are never the sample.
 
-A scope is evaluated over its recent outcomes: sent emails (``mail.send_log``, ``status = 'sent'``)
-whose ``mail.delivery_status.outcome`` is set, sent within the window and after the scope's last
-``resumed_at`` (so outcomes from before a person's resume never re-trip it). The account scope counts
-every campaign's emails: the send log sends through one provider account (the pacer's account, the
-key of ``mail.rate_slot`` and ``mail.circuit_breaker``).
+The rule: three one-sided sequential probability ratio tests (Wald), each run as a CUSUM (its log-likelihood
+ratio floored at the lower boundary, so a long good history never hides a bad turn):
+
+* hard bounces: H1 rate = the line, H0 = a quarter of it; every email with a final outcome is a trial.
+* gross complaints: H1 = 10x the complaint line, H0 = the line; every delivered email is a trial (complaints
+  of a grossly bad list arrive as fast as its deliveries: this test is what the exposure bound waits for).
+* complaints: H1 = the line, H0 = a quarter of it; a delivered email counts as a trial only in proportion to
+  the part of the complaint lag (default 24 h) it has lived (:func:`lagged_evidence`), because complaints
+  arrive hours or days after delivery: a fresh email without a complaint is not yet evidence of none.
+
+A test trips its scope when its ratio reaches ``log((1 - miss) / false_trip)`` (6.9 with the defaults
+``false_trip`` 0.001 and ``miss`` 0.01). Under H0 or better the ratio is a non-negative supermartingale, so by
+Ville's inequality an excursion from the floor reaches the trip line with probability at most
+``exp(-(upper - lower))`` (1e-5): the false-trip probability; at the line or worse the ratio drifts up and
+trips with probability 1 (the miss probability of the test's first pass is ``miss``). Expected evidence to
+trip: 5 hard bounces at a 100 % bounce rate, about 540 outcomes at exactly 2 %, about 870 delivered emails at
+0.5 % complaints (:func:`operating_characteristics`, docs/operations.md has the table).
+
+Bounded exposure. A scope is *proven* once the bounce and gross-complaint tests have reached their lower
+boundary (their rates are known to be healthy), and stays proven until either ratio rises above 0. While a
+scope is not proven, at most ``exposure`` (E, default 5,000) of its emails are granted per round
+(:func:`admit`, called by the lifecycle source before each chunk and by the dispatcher's claim); a new round
+starts once as many outcomes have arrived as the round sent, or when none came for ``outcome_wait`` (default
+15 minutes). A bad audience is therefore stopped within its first E emails whenever its test needs fewer
+than E outcomes (a 100 % bounce list needs 5; 0.5 % complaints about 870); a healthy one is proven after
+about 300 bounce outcomes and 1,300 deliveries, and then sends at full speed.
 
 A trip pauses the scheduled campaign (``mail.campaign.status = 'paused'``, a campaign event by
-``reputation_guard`` with the rates) in the trip's own transaction; an account trip pauses every
-scheduled campaign. The lifecycle source skips a blocked campaign (:func:`blocked`), and the
-dispatcher's claim statements never pick a blocked campaign's rows. Only a person resumes
-(:func:`resume`, ``mailflow reputation resume``, the ``resume_sending`` DAG).
+``reputation_guard`` with the rates) in the trip's own transaction; an account trip pauses every scheduled
+campaign. The lifecycle source skips a blocked campaign, and the dispatcher's claim statements never pick a
+blocked or waiting campaign's rows. Only a person resumes (:func:`resume`, ``mailflow reputation resume``,
+the ``resume_sending`` DAG).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from fractions import Fraction
 from typing import Any
 
 import psycopg
@@ -49,53 +71,77 @@ log = logging.getLogger(__name__)
 #: The actor of the campaign events the guard writes (a pause), and how a resume recognises its pauses.
 GUARD_ACTOR = "reputation_guard"
 SCOPES = ("campaign", "account")
+#: H0 of the bounce and complaint tests is the line divided by this (a healthy list sits well under the line).
+HEALTHY_FRACTION = 4.0
+#: H1 of the gross-complaint test is the complaint line times this.
+GROSS_FACTOR = 10.0
+#: Obsolete settings of the windowed guard: ignored, with a warning.
+_OBSOLETE = ("MAILFLOW_GUARD_MIN_SAMPLE", "MAILFLOW_GUARD_MAX_SAMPLE", "MAILFLOW_GUARD_WINDOW_HOURS")
 
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """Thresholds, sample and window of the guard.
+    """The lines, the tests' error probabilities and the exposure bound of the guard.
 
-    :param hard_bounce_rate: trip at or above this share of hard bounces (fraction 0..1; default 0.05,
-        Amazon SES's review level).
-    :param complaint_rate: trip at or above this share of complaints (fraction 0..1; default 0.003,
-        Gmail/Yahoo's "never reach 0.3 %").
-    :param min_sample: no trip before this many emails with an outcome (default 500).
-    :param window: only emails sent this recently count (default 24 hours).
-    :param max_sample: at most this many of the latest emails with an outcome count (default 2,000),
-        found among the newest ``2 * max_sample`` sent emails (:attr:`walk`): the rate follows the
-        recent sends and one evaluation reads a bounded number of rows (a few ms per scope).
-    :param account_every: the account scope (every campaign's emails: the costlier read) is read at
-        most this often (default 1 s); a call within it evaluates the campaigns only. An outcome is
-        counted for the account by the next evaluation after that, at the latest the feedback DAG's.
+    :param hard_bounce_rate: the hard-bounce line to stay under (fraction 0..1; default 0.02, half of
+        Resend's 4 %).
+    :param complaint_rate: the complaint line to stay under (fraction; default 0.0004, half of Resend's
+        0.08 %). At most 0.099: the gross test's H1 is ten times it.
+    :param exposure: E, the emails a scope that is not proven may send per round (default 5,000).
+    :param complaint_lag: complaints are expected over this long after delivery (default 24 h); a
+        delivered email weighs ``age / complaint_lag`` (at most 1) in the complaint test.
+    :param outcome_wait: a round whose outcomes stopped coming is over after this long without a grant
+        (default 15 minutes; a dropped webhook must not hold a campaign forever).
+    :param false_trip: alpha of each test (default 0.001).
+    :param miss: beta of each test (default 0.01).
+    :param account_every: the account scope is evaluated at most this often (default 1 s).
 
     Environment overrides (per deployment): ``MAILFLOW_GUARD_HARD_BOUNCE_RATE``,
-    ``MAILFLOW_GUARD_COMPLAINT_RATE``, ``MAILFLOW_GUARD_MIN_SAMPLE``, ``MAILFLOW_GUARD_WINDOW_HOURS``,
-    ``MAILFLOW_GUARD_MAX_SAMPLE`` (:meth:`from_env`).
+    ``MAILFLOW_GUARD_COMPLAINT_RATE``, ``MAILFLOW_GUARD_EXPOSURE``, ``MAILFLOW_GUARD_COMPLAINT_LAG_HOURS``,
+    ``MAILFLOW_GUARD_OUTCOME_WAIT_MINUTES`` (:meth:`from_env`); per provider account: a row of
+    ``mail.reputation_setting`` (:func:`config_for`, ``mailflow reputation set``).
     """
 
-    hard_bounce_rate: float = 0.05
-    complaint_rate: float = 0.003
-    min_sample: int = 500
-    window: timedelta = timedelta(hours=24)
-    max_sample: int = 2_000
+    hard_bounce_rate: float = 0.02
+    complaint_rate: float = 0.0004
+    exposure: int = 5_000
+    complaint_lag: timedelta = timedelta(hours=24)
+    outcome_wait: timedelta = timedelta(minutes=15)
+    false_trip: float = 0.001
+    miss: float = 0.01
     account_every: timedelta = timedelta(seconds=1)
 
-    @property
-    def walk(self) -> int:
-        """How many of the newest sent emails one evaluation reads at most to find ``max_sample``
-        outcomes (twice as many: the newest sends often have no outcome yet)."""
-        return 2 * self.max_sample
-
     def __post_init__(self) -> None:
-        for name in ("hard_bounce_rate", "complaint_rate"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise ValueError(f"reputation guard: {name} must be a fraction in (0, 1], got {value!r}")
-        if self.min_sample < 1 or self.max_sample < self.min_sample:
-            raise ValueError(f"reputation guard: need 1 <= min_sample <= max_sample, got {self.min_sample} and "
-                             f"{self.max_sample}")
-        if self.window <= timedelta(0):
-            raise ValueError(f"reputation guard: window must be positive, got {self.window}")
+        if not 0 < self.hard_bounce_rate < 1:
+            raise ValueError(f"reputation guard: hard_bounce_rate must be a fraction in (0, 1), got "
+                             f"{self.hard_bounce_rate!r}")
+        if not 0 < self.complaint_rate * GROSS_FACTOR < 1:
+            raise ValueError(f"reputation guard: complaint_rate must be a fraction in (0, {1 / GROSS_FACTOR}), got "
+                             f"{self.complaint_rate!r}")
+        if self.exposure < 1:
+            raise ValueError(f"reputation guard: exposure must be at least 1 email, got {self.exposure!r}")
+        if self.complaint_lag <= timedelta(0) or self.outcome_wait <= timedelta(0):
+            raise ValueError("reputation guard: complaint_lag and outcome_wait must be positive")
+        if not (0 < self.false_trip < 0.5 and 0 < self.miss < 0.5):
+            raise ValueError("reputation guard: false_trip and miss must be probabilities in (0, 0.5)")
+
+    @property
+    def upper(self) -> float:
+        """The trip line of every test's log-likelihood ratio: ``log((1 - miss) / false_trip)``."""
+        return math.log((1 - self.miss) / self.false_trip)
+
+    @property
+    def lower(self) -> float:
+        """The floor (lower boundary) of every test's ratio: ``log(miss / (1 - false_trip))``."""
+        return math.log(self.miss / (1 - self.false_trip))
+
+    def weights(self, test: str) -> tuple[float, float]:
+        """``(per bad event, per good trial)`` log-likelihood increments of ``test`` ('bounce', 'gross',
+        'complaint'): ``log(p1 / p0)`` and ``log((1 - p1) / (1 - p0))``."""
+        p1, p0 = {"bounce": (self.hard_bounce_rate, self.hard_bounce_rate / HEALTHY_FRACTION),
+                  "gross": (self.complaint_rate * GROSS_FACTOR, self.complaint_rate),
+                  "complaint": (self.complaint_rate, self.complaint_rate / HEALTHY_FRACTION)}[test]
+        return math.log(p1 / p0), math.log((1 - p1) / (1 - p0))
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> GuardConfig:
@@ -104,12 +150,16 @@ class GuardConfig:
         :raises ValueError: naming the variable, for a value that is not a number or out of range.
         """
         env = dict(os.environ if env is None else env)
+        for var in _OBSOLETE:
+            if env.get(var, "").strip():
+                log.warning("%s is no longer read: the guard's tests need no minimum sample or window "
+                            "(docs/operations.md, 'Reputation guard')", var)
         kw: dict[str, Any] = {}
         for var, field, kind in (("MAILFLOW_GUARD_HARD_BOUNCE_RATE", "hard_bounce_rate", float),
                                  ("MAILFLOW_GUARD_COMPLAINT_RATE", "complaint_rate", float),
-                                 ("MAILFLOW_GUARD_MIN_SAMPLE", "min_sample", int),
-                                 ("MAILFLOW_GUARD_MAX_SAMPLE", "max_sample", int),
-                                 ("MAILFLOW_GUARD_WINDOW_HOURS", "window", float)):
+                                 ("MAILFLOW_GUARD_EXPOSURE", "exposure", int),
+                                 ("MAILFLOW_GUARD_COMPLAINT_LAG_HOURS", "complaint_lag", float),
+                                 ("MAILFLOW_GUARD_OUTCOME_WAIT_MINUTES", "outcome_wait", float)):
             raw = env.get(var, "").strip()
             if not raw:
                 continue
@@ -117,18 +167,64 @@ class GuardConfig:
                 value = kind(raw)
             except ValueError:
                 raise ValueError(f"{var}={raw!r} is not a number") from None
-            kw[field] = timedelta(hours=value) if field == "window" else value
+            if field == "complaint_lag":
+                kw[field] = timedelta(hours=value)
+            elif field == "outcome_wait":
+                kw[field] = timedelta(minutes=value)
+            else:
+                kw[field] = value
         try:
             return cls(**kw)
         except ValueError as exc:
             raise ValueError(f"{exc} (from the MAILFLOW_GUARD_* environment)") from None
 
 
+def config_for(conn: psycopg.Connection, account: str, base: GuardConfig | None = None) -> GuardConfig:
+    """The guard's settings for provider account ``account``: ``base`` (default :meth:`GuardConfig.from_env`)
+    with the non-null columns of its ``mail.reputation_setting`` row."""
+    base = base or GuardConfig.from_env()
+    row = conn.execute(query("reputation", "setting"), {"account": account}).fetchone()
+    if row is None:
+        return base
+    hb, cr, exposure, lag_hours = row
+    kw: dict[str, Any] = {}
+    if hb is not None:
+        kw["hard_bounce_rate"] = float(hb)
+    if cr is not None:
+        kw["complaint_rate"] = float(cr)
+    if exposure is not None:
+        kw["exposure"] = int(exposure)
+    if lag_hours is not None:
+        kw["complaint_lag"] = timedelta(hours=float(lag_hours))
+    return dataclasses.replace(base, **kw)
+
+
+def set_config(conn: psycopg.Connection, account: str, actor: str, **values: float | int | None) -> None:
+    """Store the settings of ``account`` (``hard_bounce_rate``, ``complaint_rate``, ``exposure``,
+    ``complaint_lag_hours``; None keeps the default) after checking them with :class:`GuardConfig`.
+
+    :raises ValueError: for an unknown setting, or a value :class:`GuardConfig` refuses (naming it).
+    """
+    known = {"hard_bounce_rate", "complaint_rate", "exposure", "complaint_lag_hours"}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"unknown reputation setting(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
+    if not actor.strip():
+        raise ValueError("a setting is a person's decision: name who sets it")
+    probe: dict[str, Any] = {k: v for k, v in values.items() if v is not None and k != "complaint_lag_hours"}
+    if values.get("complaint_lag_hours") is not None:
+        probe["complaint_lag"] = timedelta(hours=float(values["complaint_lag_hours"] or 0))
+    GuardConfig(**probe)  # raises naming the bad value
+    conn.execute(query("reputation", "set_setting"), {"account": account, "actor": actor.strip(),
+                                                      **{k: values.get(k) for k in known}})
+
+
 @dataclass(frozen=True)
 class Trip:
-    """A scope this evaluation tripped: ``scope`` ('campaign' / 'account'), ``name``, the rates
-    (fractions 0..1) and ``sample`` (emails with an outcome) that tripped it, ``reason`` (text naming
-    them), ``tripped_at`` (aware, database clock) and ``paused`` (scheduled campaigns paused by it)."""
+    """A scope this evaluation tripped: ``scope`` ('campaign' / 'account'), ``name``, the rates since the
+    scope's baseline (fractions 0..1), ``sample`` (emails with an outcome), the counts, ``reason`` (text
+    naming the test, the rates and the line), ``tripped_at`` (aware, database clock) and ``paused``
+    (scheduled campaigns paused by it)."""
 
     scope: str
     name: str
@@ -142,13 +238,16 @@ class Trip:
     paused: tuple[str, ...] = ()
 
 
-def guard_account(conn: psycopg.Connection) -> str:
+def guard_account(conn: psycopg.Connection, sender: str | None = None) -> str:
     """The provider account the account scope is named after: ``MAILFLOW_GUARD_ACCOUNT`` if set, else
-    the pacer's account that claimed a slot last (``mail.rate_slot``), else ``"default"`` (the
-    breaker's name for an account without a pacer)."""
+    ``sender`` (a sender's own account, :func:`mailflow.provider.breaker.breaker_account`), else the
+    pacer's account that claimed a slot last (``mail.rate_slot``; what the webhook receiver uses), else
+    ``"default"`` (the breaker's name for an account without a pacer)."""
     configured = os.environ.get("MAILFLOW_GUARD_ACCOUNT", "").strip()
     if configured:
         return configured
+    if sender:
+        return sender
     row = conn.execute(query("reputation", "account")).fetchone()
     return str(row[0]) if row else "default"
 
@@ -158,113 +257,296 @@ def _rate(part: int, sample: int) -> Decimal:
 
 
 def _pct(fraction: float | Decimal) -> str:
-    return f"{float(fraction) * 100:.2f}%".replace(".00%", "%")
+    return f"{float(fraction) * 100:.3f}".rstrip("0").rstrip(".") + "%"
 
 
-def decide(sample: int, hard: int, complaints: int, config: GuardConfig) -> str | None:
-    """The reason to trip a scope with ``sample`` emails with an outcome, ``hard`` hard bounces and
-    ``complaints`` complaints, or None. Trips at or above a threshold (compared exactly, not in
-    floating point), never below ``config.min_sample``."""
-    if sample < config.min_sample:
-        return None
-    over = []
-    if Fraction(hard, sample) >= Fraction(str(config.hard_bounce_rate)):
-        over.append(f"hard-bounce rate {_pct(_rate(hard, sample))} ({hard} of {sample}) >= "
-                    f"{_pct(config.hard_bounce_rate)}")
-    if Fraction(complaints, sample) >= Fraction(str(config.complaint_rate)):
-        over.append(f"complaint rate {_pct(_rate(complaints, sample))} ({complaints} of {sample}) >= "
-                    f"{_pct(config.complaint_rate)}")
-    if not over:
-        return None
-    return (f"{' and '.join(over)} over the last {sample} emails with an outcome "
-            f"(hard bounces {_pct(_rate(hard, sample))}, complaints {_pct(_rate(complaints, sample))})")
+#: The outcome counters one evaluation reads (mail.campaign_counts keys), and their names in ``seen``.
+COUNTER_KEYS = {"sent": "sent", "with_outcome": "with_outcome", "hard_bounced": "hard",
+                "complained": "complaints", "delivered": "delivered"}
+
+
+def lagged_evidence(marks: list[list[float]], now: float, delivered: float, lag: float) -> float:
+    """The complaint test's trials: ``(1 / lag) * integral of D(s) ds over [now - lag, now]``, where D is the
+    scope's delivered count since its baseline, piecewise linear through ``marks`` (``[epoch seconds,
+    D]``, ascending, the first at the baseline with D = 0) and ``(now, delivered)``, and 0 before the first
+    mark. Equals the sum over delivered emails of ``min(1, age / lag)``: each email weighs the share of the
+    complaint lag it has lived (complaints assumed to arrive uniformly over the lag)."""
+    pts = [(float(t), float(d)) for t, d in marks if float(t) < now] + [(now, float(delivered))]
+    start = now - lag
+    total = 0.0
+    for (t0, d0), (t1, d1) in zip(pts, pts[1:], strict=False):
+        if t1 <= start or t1 <= t0:
+            continue
+        a = max(t0, start)
+        da = d0 + (d1 - d0) * (a - t0) / (t1 - t0)
+        total += (da + d1) / 2 * (t1 - a)
+    return total / lag
+
+
+def _step(llr: float, bad: float, good: float, weights: tuple[float, float], floor: float) -> float:
+    return max(floor, llr + bad * weights[0] + max(good, 0.0) * weights[1])
+
+
+def _counts(conn: psycopg.Connection, names: list[str], account: str | None) -> tuple[dict[tuple[str, str], dict[str, int]], bool]:
+    """The outcome counters now: per campaign of ``names`` and, with ``account``, summed over every
+    campaign (the send log sends through one provider account); and whether the counters are seeded."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    seeded = bool(conn.execute(query("counters", "seeded")).fetchone()[0])  # type: ignore[index]
+    keys = list(COUNTER_KEYS)
+    if names:
+        for row in conn.execute(query("reputation", "campaign_counts"), {"names": names, "keys": keys}).fetchall():
+            out[("campaign", str(row[0]))] = {COUNTER_KEYS[k]: int(v) for k, v in zip(keys, row[1:], strict=True)}
+        for n in names:
+            out.setdefault(("campaign", n), {v: 0 for v in COUNTER_KEYS.values()})
+    if account is not None:
+        total = conn.execute(query("reputation", "account_counts"), {"keys": keys}).fetchone()
+        assert total is not None
+        out[("account", account)] = {COUNTER_KEYS[k]: int(v) for k, v in zip(keys, total, strict=True)}
+    return out, seeded
+
+
+def _ensure(conn: psycopg.Connection, scopes: list[tuple[str, str]]) -> None:
+    """Create the guard rows not seen before, their baseline at zero: a scope first seen counts its
+    campaign's (or the account's) whole history in its first evaluation, so a campaign sent before the
+    guard knew it is judged on everything it has."""
+    have = {(r[0], r[1]) for r in conn.execute(query("reputation", "existing"), {
+        "scopes": [s for s, _ in scopes], "names": [n for _, n in scopes]}).fetchall()}
+    missing = [s for s in scopes if s not in have]
+    if not missing:
+        return
+    seeded = bool(conn.execute(query("counters", "seeded")).fetchone()[0])  # type: ignore[index]
+    zero = {**{k: 0 for k in COUNTER_KEYS.values()}, "seeded": seeded}
+    conn.execute(query("reputation", "ensure_scopes"), {
+        "scopes": [s for s, _ in missing], "names": [n for _, n in missing], "seen": [Jsonb(zero) for _ in missing]})
 
 
 def evaluate(conn: psycopg.Connection, campaigns: Iterable[str], *, config: GuardConfig | None = None,
              account: str | None = None, include_account: bool = True) -> list[Trip]:
-    """Evaluate the campaigns ``campaigns`` and the provider account; trip the scopes over a threshold.
+    """Evaluate the campaigns ``campaigns`` and the provider account; trip the scopes whose tests cross.
 
-    Per scope still ``ok``: the rates over its recent outcomes (module docstring; ``config``, default
-    :meth:`GuardConfig.from_env`) are stored on its row (``hard_bounce_rate``, ``complaint_rate``,
-    ``sample``, ``evaluated_at``); a scope with at least ``min_sample`` emails and a rate at or above
-    its threshold trips (``state = 'tripped'``, ``tripped_at``, ``reason`` naming the rates and the
-    sample). In the same transaction a tripped campaign, or for an account trip every campaign, that
-    is ``scheduled`` is paused (campaign event by ``reputation_guard`` with the rates in ``detail``).
-    A tripped scope is not evaluated again until :func:`resume`.
+    Per scope still ``ok``: the outcome counters' gains since its last evaluation feed its three tests
+    (module docstring); the rates and the sample since its baseline are stored for display; its proof and
+    its exposure round are updated (a spent round whose outcomes arrived, or that waited ``outcome_wait``,
+    starts again). A test at or over its trip line trips the scope (``state = 'tripped'``, ``tripped_at``,
+    ``reason`` naming the test, the rates and the line). In the same transaction a tripped campaign, or for
+    an account trip every campaign, that is ``scheduled`` is paused (campaign event by ``reputation_guard``
+    with the rates in ``detail``). A tripped scope is not evaluated again until :func:`resume`.
 
-    Idempotent and safe under concurrent evaluators: the rates are read without locks and stored by
-    one guarded UPDATE (only a scope still ``ok`` and not resumed since the read changes), so two
-    evaluators at once trip a scope once and pause its campaign once. Cost: one statement for the
-    campaigns and one for the account, each reading at most ``max_sample`` emails through the send
-    log's sent-at indexes. Call it after the outcomes it should see are committed (its own
-    transaction, or a savepoint of the caller's; the guard rows stay locked until that commits).
+    Safe under concurrent evaluators and senders: the scopes' rows are locked (account first, then the
+    campaigns by name) for the read-modify-write, so every counter gain is counted once and a scope trips
+    once. Cost: one read of the counters per call (a few rows per campaign plus the unfolded deltas), whatever
+    the send log's size. Call it after the outcomes it should see are committed (its own transaction, or a
+    savepoint of the caller's; the guard rows stay locked until that commits).
 
     :param campaigns: send-log campaign names (lifecycle or scheduled); duplicates are ignored.
+    :param config: the settings (default: :func:`config_for` the account).
     :param account: the account scope's name (default :func:`guard_account`).
-    :param include_account: also evaluate the account scope (default True).
+    :param include_account: also evaluate the account scope (default True; at most every ``account_every``).
     :returns: the scopes this call tripped (none if another evaluator tripped them first).
     """
-    config = config or GuardConfig.from_env()
     names = sorted({str(c) for c in campaigns})
     trips: list[Trip] = []
     with conn.transaction():
-        conn.execute(query("reputation", "no_jit"))
-        acct = (account or guard_account(conn)) if include_account else None
+        acct_name = account or guard_account(conn)
+        config = config or config_for(conn, acct_name)
+        acct = acct_name if include_account else None
         scopes = [("campaign", n) for n in names] + ([("account", acct)] if acct is not None else [])
         if not scopes:
             return []
+        _ensure(conn, scopes)
         with conn.cursor(row_factory=dict_row) as cur:
-            rows = {(r["scope"], r["name"]): r for r in cur.execute(
-                query("reputation", "scopes"), {"campaigns": names, "account": acct,
-                                                "every": config.account_every.total_seconds()}).fetchall()}
-        missing = [s for s in scopes if s not in rows]
-        if missing:
-            conn.execute(query("reputation", "ensure_scopes"), {"scopes": [s for s, _ in missing],
-                                                               "names": [n for _, n in missing]})
-            for s in missing:
-                rows[s] = {"scope": s[0], "name": s[1], "state": "ok", "resumed_at": None, "fresh": False}
-        window = config.window.total_seconds()
-        counts: dict[tuple[str, str], tuple[int, int, int]] = {}
-        live = [n for n in names if rows[("campaign", n)]["state"] == "ok"]
-        if live:
-            for name, sample, hard, complaints in conn.execute(query("reputation", "campaign_rates"), {
-                    "names": live, "resumed": [rows[("campaign", n)]["resumed_at"] for n in live],
-                    "window": window, "max_sample": config.max_sample, "walk": config.walk}).fetchall():
-                counts[("campaign", str(name))] = (int(sample), int(hard), int(complaints))
-        if acct is not None and rows[("account", acct)]["state"] == "ok" and not rows[("account", acct)]["fresh"]:
-            got = conn.execute(query("reputation", "account_rates"), {
-                "resumed": rows[("account", acct)]["resumed_at"], "window": window,
-                "max_sample": config.max_sample, "walk": config.walk}).fetchone()
-            assert got is not None
-            counts[("account", acct)] = (int(got[0]), int(got[1]), int(got[2]))
-        if not counts:
+            rows = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), {
+                "scopes": [s for s, _ in scopes], "names": [n for _, n in scopes],
+                "every": config.account_every.total_seconds()}).fetchall()}
+        live = [k for k in scopes if k in rows and rows[k]["state"] == "ok"
+                and not (k[0] == "account" and rows[k]["fresh"])]
+        if not live:
             return []
-        keys = list(counts)
-        reasons = {k: decide(*counts[k], config) for k in keys}
-        tripped = conn.execute(query("reputation", "record"), {
-            "scopes": [s for s, _ in keys], "names": [n for _, n in keys],
-            "samples": [counts[k][0] for k in keys],
-            "hard_rates": [_rate(counts[k][1], counts[k][0]) for k in keys],
-            "complaint_rates": [_rate(counts[k][2], counts[k][0]) for k in keys],
-            "trips": [reasons[k] is not None for k in keys], "reasons": [reasons[k] for k in keys],
-            "resumed": [rows[k]["resumed_at"] for k in keys]}).fetchall()
-        for scope, name, now_tripped, tripped_at in sorted(tripped, key=lambda r: (r[0] != "account", r[1])):
-            if not now_tripped:
+        counts, seeded = _counts(conn, [n for s, n in live if s == "campaign"],
+                                 acct if ("account", acct) in live else None)
+        now = float(conn.execute(query("reputation", "now")).fetchone()[0])  # type: ignore[index]
+        for key in live:
+            reason = _update(conn, rows[key], counts[key], seeded, now, config)
+            if reason is None:
                 continue
-            sample, hard, complaints = counts[(scope, name)]
-            trip = Trip(scope, name, _rate(hard, sample), _rate(complaints, sample), sample, hard, complaints,
-                        str(reasons[(scope, name)]), tripped_at)
-            detail = {"reason": f"reputation guard tripped ({scope} {name}): {trip.reason}", "scope": scope,
+            scope, name = key
+            r = rows[key]
+            trip = Trip(scope, name, _rate(r["cum_hard"], r["cum_outcomes"]),
+                        _rate(r["cum_complaints"], r["cum_delivered"]), int(r["cum_outcomes"]), int(r["cum_hard"]),
+                        int(r["cum_complaints"]), reason, r["tripped_at"])
+            detail = {"reason": f"reputation guard tripped ({scope} {name}): {reason}", "scope": scope,
                       "name": name, "hard_bounce_rate": str(trip.hard_bounce_rate),
-                      "complaint_rate": str(trip.complaint_rate), "sample": sample, "hard_bounces": hard,
-                      "complaints": complaints}
-            paused = [r[0] for r in conn.execute(query("reputation", "pause_campaigns"), {
+                      "complaint_rate": str(trip.complaint_rate), "sample": trip.sample,
+                      "hard_bounces": trip.hard_bounces, "complaints": trip.complaints}
+            paused = [p[0] for p in conn.execute(query("reputation", "pause_campaigns"), {
                 "all": scope == "account", "name": name, "detail": Jsonb(detail)}).fetchall()]
             trips.append(dataclasses.replace(trip, paused=tuple(paused)))
-    for t in trips:
+    for t in sorted(trips, key=lambda t: (t.scope != "account", t.name)):
         log.error("reputation guard tripped (%s %s): %s; paused: %s", t.scope, t.name, t.reason,
                   ", ".join(t.paused) or "no scheduled campaign")
     return trips
+
+
+def _update(conn: psycopg.Connection, row: dict[str, Any], now_counts: dict[str, int], seeded: bool, now: float,
+            config: GuardConfig) -> str | None:
+    """Feed one locked scope's tests with the counters' gains, store its state; the trip reason or None.
+    ``row`` is updated in place with what was stored."""
+    seen = row["seen"] or {}
+    if not seen or bool(seen.get("seeded")) != seeded:
+        # first sight, or the counters were seeded (a full recount): a new baseline, nothing counted
+        gain = {k: 0 for k in COUNTER_KEYS.values()}
+    else:
+        gain = {k: max(0, now_counts[k] - int(seen.get(k, 0))) for k in COUNTER_KEYS.values()}
+    outcomes, hard = gain["with_outcome"], gain["hard"]
+    complaints, delivered = gain["complaints"], gain["delivered"]
+    cum_delivered = int(row["cum_delivered"]) + delivered
+    lag = config.complaint_lag.total_seconds()
+    marks: list[list[float]] = list(row["delivered_marks"] or [])
+    if not marks:
+        marks = [[now, float(row["cum_delivered"])]]
+    evidence = lagged_evidence(marks, now, cum_delivered, lag)
+    if now - marks[-1][0] >= lag / 60:
+        marks.append([now, float(cum_delivered)])
+    while len(marks) > 1 and marks[1][0] <= now - lag:
+        marks.pop(0)  # the mark at or before the lag's start is enough to interpolate from
+    floor = config.lower
+    llr_b = _step(row["llr_bounce"], hard, outcomes - hard, config.weights("bounce"), floor)
+    llr_g = _step(row["llr_gross"], complaints, delivered - complaints, config.weights("gross"), floor)
+    llr_c = _step(row["llr_complaint"], complaints, evidence - float(row["evidence"]) - complaints,
+                  config.weights("complaint"), floor)
+    cum_outcomes = int(row["cum_outcomes"]) + outcomes
+    cum_hard = int(row["cum_hard"]) + hard
+    cum_complaints = int(row["cum_complaints"]) + complaints
+    eps = 1e-9
+    was_proven = bool(row["proven"])
+    proven = (llr_b <= floor + eps and llr_g <= floor + eps) or (was_proven and llr_b <= 0 and llr_g <= 0)
+    round_sent, round_outcomes, waiting = int(row["round_sent"]), row["round_outcomes"], bool(row["waiting"])
+    last_grant = row["last_grant_epoch"]
+    if proven or was_proven:
+        # proven: no bound; just lost the proof: a fresh round counts from here
+        round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
+    elif round_sent > 0 and (now_counts["with_outcome"] - int(round_outcomes or 0) >= round_sent
+                             or (last_grant is not None and now - float(last_grant) >= config.outcome_wait.total_seconds())):
+        round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
+    reason = None
+    over = []
+    line_b, line_c = _pct(config.hard_bounce_rate), _pct(config.complaint_rate)
+    if llr_b >= config.upper:
+        over.append(f"hard bounces {_pct(_rate(cum_hard, cum_outcomes))} ({cum_hard} of {cum_outcomes} emails with "
+                    f"an outcome) against the {line_b} line")
+    if llr_g >= config.upper:
+        over.append(f"complaints {_pct(_rate(cum_complaints, cum_delivered))} ({cum_complaints} of {cum_delivered} "
+                    f"delivered) against {_pct(config.complaint_rate * GROSS_FACTOR)} (10x the {line_c} line)")
+    elif llr_c >= config.upper:
+        over.append(f"complaints {_pct(_rate(cum_complaints, cum_delivered))} ({cum_complaints} of {cum_delivered} "
+                    f"delivered, {evidence:.0f} weighed by the {config.complaint_lag} complaint lag) against the "
+                    f"{line_c} line")
+    if over:
+        reason = (f"{' and '.join(over)}: the sequential test crossed its trip line "
+                  f"(log-likelihood ratio >= {config.upper:.2f}; false-trip probability <= {config.false_trip:g})")
+    stored = conn.execute(query("reputation", "store"), {
+        "scope": row["scope"], "name": row["name"], "llr_bounce": llr_b, "llr_gross": llr_g, "llr_complaint": llr_c,
+        "proven": proven, "seen": Jsonb({**now_counts, "seeded": seeded}), "marks": Jsonb(marks),
+        "evidence": evidence, "cum_outcomes": cum_outcomes, "cum_hard": cum_hard, "cum_complaints": cum_complaints,
+        "cum_delivered": cum_delivered, "awaiting": max(0, now_counts["sent"] - now_counts["with_outcome"]),
+        "round_sent": round_sent, "round_outcomes": round_outcomes, "waiting": waiting,
+        "hard_rate": _rate(cum_hard, cum_outcomes), "complaint_rate": _rate(cum_complaints, cum_delivered),
+        "trip": reason is not None, "reason": reason}).fetchone()
+    row.update(cum_outcomes=cum_outcomes, cum_hard=cum_hard, cum_complaints=cum_complaints,
+               cum_delivered=cum_delivered, tripped_at=stored[0] if stored else None)
+    return reason
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What :func:`admit` granted: ``granted`` emails (0..asked), ``reason`` why none may go (a trip, named
+    as :func:`blocked` does) or None, and ``waiting`` (a scope's exposure round is spent: sending resumes when
+    its outcomes arrive)."""
+
+    granted: int
+    reason: str | None = None
+    waiting: str | None = None
+
+
+def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str | None = None,
+          config: GuardConfig | None = None) -> Admission:
+    """Ask the guard for ``asked`` emails of ``campaign`` about to be minted or claimed.
+
+    Refused (0 granted, ``reason``) while the campaign's scope or the account is tripped. Otherwise each scope
+    that is not proven grants at most what is left of its round's exposure (``config.exposure`` minus
+    ``round_sent``) and counts the grant; a proven scope grants everything. A scope whose round is spent is
+    marked ``waiting`` (the dispatcher's claim statements skip its campaigns) until :func:`evaluate` starts a
+    new round. The scopes' rows are locked (account first) until the caller's transaction ends: call it in
+    the transaction that mints or claims the rows, or give back what was not used with :func:`refund`.
+
+    :param account: the sender's provider account (:func:`guard_account`).
+    :returns: an :class:`Admission`; ``granted <= asked``.
+    """
+    if asked <= 0:
+        return Admission(0)
+    with conn.transaction():
+        acct = guard_account(conn, account)
+        config = config or config_for(conn, acct)
+        keys = [("account", acct), ("campaign", campaign)]
+        _ensure(conn, keys)
+        with conn.cursor(row_factory=dict_row) as cur:
+            locked = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), {
+                "scopes": [s for s, _ in keys], "names": [n for _, n in keys], "every": 0}).fetchall()}
+        rows = locked
+        for key in keys:
+            r = rows[key]
+            if r["state"] == "tripped":
+                return Admission(0, reason=(
+                    f"reputation guard tripped ({key[0]} {key[1]}) at {r['tripped_at']:%Y-%m-%d %H:%M:%S %Z}: "
+                    f"{r['reason']}; a person resumes it (mailflow reputation resume --{key[0]} {key[1]})"))
+        granted = asked
+        for key in keys:
+            if not rows[key]["proven"]:
+                granted = min(granted, max(0, config.exposure - int(rows[key]["round_sent"])))
+        starting = [k for k in keys if not rows[k]["proven"] and int(rows[k]["round_sent"]) == 0]
+        base: dict[tuple[str, str], int] = {}
+        if starting and granted > 0:
+            counts, _ = _counts(conn, [n for s, n in starting if s == "campaign"],
+                                acct if ("account", acct) in starting else None)
+            base = {k: counts[k]["with_outcome"] for k in starting}
+        waiting = None
+        for key in keys:
+            r = rows[key]
+            if r["proven"]:
+                continue
+            spent = int(r["round_sent"]) + granted >= config.exposure
+            if spent and waiting is None:
+                waiting = (f"{key[0]} {key[1]} is not proven yet: {config.exposure} of its emails await their "
+                           f"outcomes (exposure E); sending resumes as they arrive")
+            conn.execute(query("reputation", "grant"), {
+                "scope": key[0], "name": key[1], "n": granted, "waiting": spent, "base": base.get(key)})
+    return Admission(granted, waiting=waiting)
+
+
+def refund(conn: psycopg.Connection, campaign: str, n: int, *, account: str | None = None) -> None:
+    """Give back ``n`` emails granted by :func:`admit` that were not sent (held, duplicates, an empty
+    page): the rounds of the campaign's scope and the account's shrink by them (never below 0)."""
+    if n <= 0:
+        return
+    with conn.transaction():
+        acct = guard_account(conn, account)
+        conn.execute(query("reputation", "refund"), {"campaign": campaign, "account": acct, "n": n})
+
+
+def waiting_campaigns(conn: psycopg.Connection) -> list[str]:
+    """Campaign scopes (and, as ``""``, the account) whose exposure round is spent: what the dispatcher
+    evaluates at each run so a round whose outcomes stopped coming starts again after ``outcome_wait``."""
+    return [str(r[0]) for r in conn.execute(query("reputation", "waiting")).fetchall()]
+
+
+def operating_characteristics(rate: float, test: str = "bounce", config: GuardConfig | None = None) -> float:
+    """Wald's approximation of the expected number of trials for ``test`` to reach its trip line from 0
+    when the true rate is ``rate`` (fraction), or ``inf`` when the ratio drifts down (a rate at or under the
+    test's indifference point). Trials: outcomes (bounce), delivered emails (gross, complaint)."""
+    config = config or GuardConfig()
+    bad, good = config.weights(test)
+    drift = rate * bad + (1 - rate) * good
+    return math.inf if drift <= 0 else config.upper / drift
 
 
 def blocked(conn: psycopg.Connection, campaign: str) -> str | None:
@@ -302,8 +584,11 @@ def resume(conn: psycopg.Connection, scope: str, name: str, actor: str, reason: 
     """A person resumes a tripped scope (a campaign or the provider account), in one transaction.
 
     The scope becomes ``ok`` with ``resumed_at`` (database clock), ``resumed_by`` = ``actor`` and
-    ``resume_reason``; outcomes of emails sent before it no longer count, so it does not trip again
-    at once on the same bounces. Every scheduled campaign the guard paused (its last pause event is
+    ``resume_reason``; its tests start again from 0 with a new baseline (the outcome counters now: what
+    arrived before no longer counts, so it does not trip again at once on the same bounces) and it is not
+    proven (the exposure bound applies again until its rates are known). Outcomes that arrive after the
+    resume count, also for emails sent before it: resume once the stopped send's bounces are in
+    (``mailflow reputation status`` shows what is still awaited). Every scheduled campaign the guard paused (its last pause event is
     by ``reputation_guard``) that no scope trips any more is set back to ``scheduled`` with ``unpause``
     (default: the status alone, with a campaign event by ``actor``); a campaign paused by someone else
     stays paused. Resuming an ``ok`` scope changes nothing.
@@ -317,8 +602,10 @@ def resume(conn: psycopg.Connection, scope: str, name: str, actor: str, reason: 
         raise ValueError("resuming is a person's decision: name who resumes (actor)")
     actor = actor.strip()
     with conn.transaction():
-        row = conn.execute(query("reputation", "resume"), {"scope": scope, "name": name, "actor": actor,
-                                                          "reason": reason.strip() or None}).fetchone()
+        counts, seeded = _counts(conn, [name] if scope == "campaign" else [], name if scope == "account" else None)
+        row = conn.execute(query("reputation", "resume"), {
+            "scope": scope, "name": name, "actor": actor, "reason": reason.strip() or None,
+            "seen": Jsonb({**counts[(scope, name)], "seeded": seeded})}).fetchone()
         if row is None and conn.execute(query("reputation", "scope_exists"),
                                         {"scope": scope, "name": name}).fetchone() is None:
             raise LookupError(f"the reputation guard has no {scope} {name!r} (known: "
@@ -366,7 +653,8 @@ def mark_alerted(conn: psycopg.Connection, scopes: Iterable[tuple[str, str]]) ->
 
 
 def alert_line(trip: dict[str, Any]) -> str:
-    """One alert line for an :func:`unalerted_trips` row: the scope, the rates, the sample and what to do."""
-    return (f"{trip['scope']} {trip['name']}: hard bounces {_pct(trip['hard_bounce_rate'] or 0)}, complaints "
-            f"{_pct(trip['complaint_rate'] or 0)} over {trip['sample']} emails with an outcome; {trip['reason']}; "
-            f"resume: mailflow reputation resume --{trip['scope']} {trip['name']} --reason ...")
+    """One alert line for an :func:`unalerted_trips` row: the scope, the rates, the evidence and what to do."""
+    return (f"{trip['scope']} {trip['name']}: hard bounces {_pct(trip['hard_bounce_rate'] or 0)} of {trip['sample']} "
+            f"emails with an outcome, complaints {_pct(trip['complaint_rate'] or 0)} of {trip['cum_delivered']} "
+            f"delivered; {trip['reason']}; resume: mailflow reputation resume --{trip['scope']} {trip['name']} "
+            f"--reason ...")

@@ -6,6 +6,8 @@ CLI and the alert. Outcomes are written straight into mail.delivery_status (the 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 from datetime import timedelta
@@ -33,7 +35,7 @@ from mailflow.store import reputation
 from mailflow.store.reputation import GuardConfig
 from mailflow.store.send_log import PostgresStore
 
-CONFIG = GuardConfig(min_sample=100, account_every=timedelta(0))  # the published thresholds, a small sample
+CONFIG = GuardConfig(account_every=timedelta(0))  # the default lines, the account read at every call
 ACCOUNT = "https://api.resend.com"
 
 
@@ -80,65 +82,99 @@ def bounce(db: psycopg.Connection, send_log_id: int) -> None:
                " where send_log_id = %s", (send_log_id,))
 
 
-def test_trips_exactly_at_the_hard_bounce_threshold_and_not_below(db: psycopg.Connection) -> None:
-    ids = emails(db, "welcome", 100, hard=4, soft=30)  # soft bounces never count
+def sent_without_outcome(db: psycopg.Connection, campaign: str, n: int, first_user: int) -> None:
+    """``n`` emails of ``campaign`` sent now whose outcomes have not arrived."""
+    db.execute("insert into mail.send_log (user_id, campaign, kind, email, status, sent_at, provider_message_id)"
+               " select u, %(c)s, 'lifecycle', 'u' || u || '@example.com', 'sent', now(), %(c)s || '-' || u"
+               " from generate_series(%(a)s::bigint, %(b)s::bigint) as u", {"c": campaign, "a": first_user,
+                                                                           "b": first_user + n - 1})
 
-    assert reputation.evaluate(db, ["welcome"], config=CONFIG, account=ACCOUNT) == []
+
+def test_guard_blind_spot_outcomes_behind_the_newest_sends_are_counted(db: psycopg.Connection) -> None:
+    # at full speed the newest sends are exactly the emails without an outcome: 1,900 bounced emails
+    # followed by 4,100 newer ones still waiting must trip the campaign and the account
+    emails(db, "welcome", 1900, hard=1900)
+    sent_without_outcome(db, "welcome", 4100, first_user=500_000)
+
+    trips = reputation.evaluate(db, ["welcome"], config=CONFIG, account=ACCOUNT)
+
+    assert sorted((t.scope, t.sample, t.hard_bounces) for t in trips) == [("account", 1900, 1900),
+                                                                          ("campaign", 1900, 1900)]
     g = guard(db, "campaign", "welcome")
-    assert (g["state"], g["sample"], g["hard_bounce_rate"], g["complaint_rate"]) == ("ok", 100, Decimal("0.04"), 0)
-    assert g["evaluated_at"] is not None and g["tripped_at"] is None
-    assert reputation.blocked(db, "welcome") is None
-
-    bounce(db, ids[50])  # 5 of 100 = 5 %: exactly the threshold
-    [trip, account_trip] = sorted(reputation.evaluate(db, ["welcome"], config=CONFIG, account=ACCOUNT),
-                                  key=lambda t: t.scope != "campaign")
-    assert (trip.scope, trip.name, trip.sample, trip.hard_bounces, trip.complaints) == ("campaign", "welcome", 100, 5, 0)
-    assert trip.hard_bounce_rate == Decimal("0.05") and trip.complaint_rate == 0
-    assert trip.reason == ("hard-bounce rate 5% (5 of 100) >= 5% over the last 100 emails with an outcome "
-                           "(hard bounces 5%, complaints 0%)")
-    assert (account_trip.scope, account_trip.name, account_trip.sample) == ("account", ACCOUNT, 100)
-    g = guard(db, "campaign", "welcome")
-    assert (g["state"], g["reason"], g["hard_bounce_rate"], g["sample"]) == ("tripped", trip.reason, Decimal("0.05"), 100)
-    assert reputation.blocked(db, "welcome").startswith(f"reputation guard tripped (account {ACCOUNT})")
+    assert (g["state"], g["sample"], g["cum_hard"], g["awaiting"]) == ("tripped", 1900, 1900, 4100)
 
 
-def test_trips_exactly_at_the_complaint_threshold_and_not_below(db: psycopg.Connection) -> None:
-    ids = emails(db, "digest", 1000, complained=2)  # 0.2 %
-    assert reputation.evaluate(db, ["digest"], config=CONFIG, include_account=False) == []
-    assert guard(db, "campaign", "digest")["complaint_rate"] == Decimal("0.002")
-
-    db.execute("update mail.delivery_status set complained_at = now(), outcome = 'complained' where send_log_id = %s",
-               (ids[-1],))  # 3 of 1000 = 0.3 %
-    [trip] = reputation.evaluate(db, ["digest"], config=CONFIG, include_account=False)
-    assert (trip.complaints, trip.sample, trip.complaint_rate) == (3, 1000, Decimal("0.003"))
-    assert trip.reason.startswith("complaint rate 0.30% (3 of 1000) >= 0.30%")
-
-
-def test_not_before_the_minimum_sample_even_at_100_percent_bounces(db: psycopg.Connection) -> None:
-    emails(db, "welcome", 99, hard=99)
-    db.execute("insert into mail.send_log (user_id, campaign, email, status, sent_at, provider_message_id)"
-               " values (1, 'welcome', 'a@example.com', 'sent', now(), 'no-outcome-yet')")  # no outcome: no count
-
+def test_guard_counts_every_outcome_once_whenever_it_arrives(db: psycopg.Connection) -> None:
+    # outcomes that arrive between evaluations add up; an evaluation with nothing new adds nothing
+    ids = emails(db, "welcome", 40)
+    for _ in range(3):
+        assert reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False) == []
+    assert guard(db, "campaign", "welcome")["sample"] == 40
+    for i in ids[:4]:
+        bounce(db, i)
     assert reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False) == []
     g = guard(db, "campaign", "welcome")
-    assert (g["state"], g["sample"], g["hard_bounce_rate"]) == ("ok", 99, Decimal("1"))
-
-    emails(db, "welcome", 1, first_user=200_000)  # the 100th outcome (delivered): 99 % over 100
-    assert [t.sample for t in reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False)] == [100]
+    assert (g["sample"], g["cum_hard"]) == (40, 4)
 
 
-def test_default_thresholds_come_from_the_published_guidance_and_the_environment() -> None:
-    d = GuardConfig()
-    assert (d.hard_bounce_rate, d.complaint_rate, d.min_sample, d.window.total_seconds(), d.max_sample) == (
-        0.05, 0.003, 500, 86400, 2_000)
-    env = GuardConfig.from_env({"MAILFLOW_GUARD_HARD_BOUNCE_RATE": "0.02", "MAILFLOW_GUARD_COMPLAINT_RATE": "0.001",
-                                "MAILFLOW_GUARD_MIN_SAMPLE": "200", "MAILFLOW_GUARD_WINDOW_HOURS": "6"})
-    assert (env.hard_bounce_rate, env.complaint_rate, env.min_sample, env.window.total_seconds()) == (
-        0.02, 0.001, 200, 21600)
-    with pytest.raises(ValueError, match="MAILFLOW_GUARD_MIN_SAMPLE='lots' is not a number"):
-        GuardConfig.from_env({"MAILFLOW_GUARD_MIN_SAMPLE": "lots"})
-    with pytest.raises(ValueError, match="complaint_rate must be a fraction"):
-        GuardConfig.from_env({"MAILFLOW_GUARD_COMPLAINT_RATE": "3"})
+def test_sequential_rule_trips_a_bad_list_on_few_outcomes_and_not_one_outcome_early(db: psycopg.Connection) -> None:
+    # every email bounces: each hard bounce adds log(4) = 1.386; the trip line is log(0.99 / 0.001) = 6.898,
+    # so the 5th bounce trips and the 4th does not (no minimum sample: the test is sound at any size)
+    ids = emails(db, "welcome", 4, hard=4)
+    assert reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False) == []
+    assert guard(db, "campaign", "welcome")["llr_bounce"] == pytest.approx(4 * math.log(4))
+    emails(db, "welcome", 1, hard=1, first_user=200_000)
+
+    [trip] = reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False)
+
+    assert (trip.sample, trip.hard_bounces, trip.hard_bounce_rate) == (5, 5, Decimal("1"))
+    assert trip.reason == ("hard bounces 100% (5 of 5 emails with an outcome) against the 2% line: the sequential "
+                           "test crossed its trip line (log-likelihood ratio >= 6.90; false-trip probability <= 0.001)")
+    assert len(ids) == 4
+
+
+def test_sequential_rule_trips_at_the_line_and_proves_a_healthy_list(db: psycopg.Connection) -> None:
+    # a healthy list (0.5 % hard bounces, no complaints) is proven and never trips; one at 4 % (Resend's
+    # line) trips; neither needs a minimum sample
+    emails(db, "healthy", 2000, hard=10)
+    emails(db, "bad", 400, hard=16, first_user=300_000)
+    trips = reputation.evaluate(db, ["healthy", "bad"], config=CONFIG, include_account=False)
+    assert [(t.name, t.sample, t.hard_bounces) for t in trips] == [("bad", 400, 16)]
+    g = guard(db, "campaign", "healthy")
+    assert (g["state"], g["proven"], g["llr_bounce"], g["llr_gross"]) == ("ok", True, pytest.approx(CONFIG.lower),
+                                                                          pytest.approx(CONFIG.lower))
+
+
+def test_gross_complaints_trip_on_deliveries_at_half_a_percent(db: psycopg.Connection) -> None:
+    # 0.5 % complaints among deliveries: the gross test (H1 0.4 %, H0 0.04 %) crosses at the 5th complaint
+    # in 1,000 (5 x log(10) + 995 x log(0.996 / 0.9996) = 7.92) and not at the 4th (5.61)
+    emails(db, "four", 1000, complained=4)
+    emails(db, "five", 1000, complained=5, first_user=300_000)
+
+    [trip] = reputation.evaluate(db, ["four", "five"], config=CONFIG, include_account=False)
+
+    assert (trip.name, trip.complaints, trip.complaint_rate) == ("five", 5, Decimal("0.005"))
+    assert "complaints 0.5% (5 of 1000 delivered) against 0.4% (10x the 0.04% line)" in trip.reason
+    assert guard(db, "campaign", "four")["llr_gross"] == pytest.approx(4 * math.log(10) + 996 * math.log(0.996 / 0.9996))
+    assert guard(db, "campaign", "four")["state"] == "ok"
+
+
+def test_complaint_lag_a_fresh_delivery_is_not_evidence_of_no_complaint(db: psycopg.Connection) -> None:
+    # 5 complaints among 3,000 emails delivered a moment ago (0.17 %): the gross test does not cross, but
+    # complaints arrive over a day, so fresh deliveries weigh almost nothing against them: the complaint
+    # test trips. The same counts delivered over the last two days (weighing 0.75 on average) do not.
+    emails(db, "digest", 3000, complained=5)
+    [trip] = reputation.evaluate(db, ["digest"], config=CONFIG, include_account=False)
+    assert "(5 of 3000 delivered, 0 weighed by the 1 day, 0:00:00 complaint lag) against the 0.04% line" in trip.reason
+    assert guard(db, "campaign", "digest")["llr_gross"] < CONFIG.upper
+
+    assert reputation.evaluate(db, ["matured"], config=CONFIG, include_account=False) == []  # the first mark
+    db.execute("update mail.reputation_guard set delivered_marks = jsonb_build_array(jsonb_build_array("
+               "extract(epoch from now() - interval '2 days')::float8, 0)) where name = 'matured'")
+    emails(db, "matured", 3000, complained=5, first_user=400_000)
+    assert reputation.evaluate(db, ["matured"], config=CONFIG, include_account=False) == []
+    g = guard(db, "campaign", "matured")
+    assert (g["state"], round(g["evidence"])) == ("ok", 2250)
 
 
 def test_stays_tripped_until_resumed_and_earlier_outcomes_then_no_longer_count(db: psycopg.Connection) -> None:
@@ -163,36 +199,99 @@ def test_stays_tripped_until_resumed_and_earlier_outcomes_then_no_longer_count(d
     g = guard(db, "campaign", "welcome")
     assert (g["state"], g["resumed_by"], g["resume_reason"], g["resumed_at"]) == (
         "ok", "alice", "list cleaned", done.resumed_at)
+    assert (g["proven"], g["llr_bounce"], g["sample"]) == (False, 0, 0)  # the exposure bound applies again
     assert reputation.resume(db, "campaign", "welcome", "alice", "again").changed is False
     with pytest.raises(LookupError, match="no campaign 'nosuch'"):
         reputation.resume(db, "campaign", "nosuch", "alice", "x")
 
-    # the same 10 % of bounces, all sent before the resume: no immediate re-trip
+    # the same 10 % of bounces, all counted before the resume: no immediate re-trip
     assert reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False) == []
     assert (guard(db, "campaign", "welcome")["sample"], reputation.blocked(db, "welcome")) == (0, None)
-    # new sends after the resume count again
-    emails(db, "welcome", 100, hard=5, first_user=300_000)
-    assert [t.hard_bounces for t in reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False)] == [5]
+    # outcomes after the resume count again
+    emails(db, "welcome", 100, hard=7, first_user=300_000)
+    assert [t.hard_bounces for t in reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False)] == [7]
 
 
-def test_only_the_recent_window_and_the_latest_outcomes_count(db: psycopg.Connection) -> None:
-    emails(db, "welcome", 100, hard=100)
-    db.execute("update mail.send_log set sent_at = now() - interval '25 hours'")  # outside the 24 h window
-    emails(db, "welcome", 100, hard=4, first_user=300_000)
-    assert reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False) == []
-    assert guard(db, "campaign", "welcome")["sample"] == 100
+def test_lagged_evidence_weighs_each_delivery_by_the_lag_it_lived() -> None:
+    # 100 delivered at t=0, 100 more at t=50; lag 100 s: at t=100 the first weigh 1, the second 0.5
+    marks = [[0.0, 0.0], [0.0 + 1e-9, 100.0], [50.0, 100.0], [50.0 + 1e-9, 200.0]]
+    assert reputation.lagged_evidence(marks, 100.0, 200.0, 100.0) == pytest.approx(150.0, rel=1e-6)
+    assert reputation.lagged_evidence(marks, 1000.0, 200.0, 100.0) == pytest.approx(200.0)
+    assert reputation.lagged_evidence([[0.0, 0.0]], 10.0, 100.0, 100.0) == pytest.approx(5.0)  # a ramp over 10 s
 
-    capped = GuardConfig(min_sample=50, max_sample=50)
-    emails(db, "other", 50, hard=50)
-    db.execute("update mail.send_log set sent_at = now() - interval '1 hour' where campaign = 'other'")
-    emails(db, "other", 50, first_user=400_000)  # the latest 50 are all delivered
-    assert reputation.evaluate(db, ["other"], config=capped, include_account=False) == []
-    assert guard(db, "campaign", "other")["sample"] == 50
+
+def test_defaults_sit_below_the_strictest_published_lines_and_the_environment_overrides() -> None:
+    d = GuardConfig()
+    # Resend's acceptable-use policy: bounces under 4 %, complaints under 0.08 %: half of each
+    assert (d.hard_bounce_rate, d.complaint_rate, d.exposure, d.complaint_lag, d.false_trip, d.miss) == (
+        0.02, 0.0004, 5000, timedelta(hours=24), 0.001, 0.01)
+    assert (round(d.upper, 3), round(d.lower, 3)) == (6.898, -4.604)
+    assert round(reputation.operating_characteristics(1.0)) == 5
+    assert round(reputation.operating_characteristics(0.005, "gross")) == 871
+    assert reputation.operating_characteristics(0.002) == math.inf  # a list under a quarter of the line never drifts up
+    env = GuardConfig.from_env({"MAILFLOW_GUARD_HARD_BOUNCE_RATE": "0.03", "MAILFLOW_GUARD_COMPLAINT_RATE": "0.0005",
+                                "MAILFLOW_GUARD_EXPOSURE": "2000", "MAILFLOW_GUARD_COMPLAINT_LAG_HOURS": "6"})
+    assert (env.hard_bounce_rate, env.complaint_rate, env.exposure, env.complaint_lag) == (
+        0.03, 0.0005, 2000, timedelta(hours=6))
+    with pytest.raises(ValueError, match="MAILFLOW_GUARD_EXPOSURE='lots' is not a number"):
+        GuardConfig.from_env({"MAILFLOW_GUARD_EXPOSURE": "lots"})
+    with pytest.raises(ValueError, match="complaint_rate must be a fraction"):
+        GuardConfig.from_env({"MAILFLOW_GUARD_COMPLAINT_RATE": "0.2"})
+
+
+def test_thresholds_are_settings_per_provider_account(db: psycopg.Connection) -> None:
+    reputation.set_config(db, "ses-eu", "ops", hard_bounce_rate=0.025, complaint_rate=0.0005, exposure=1000)
+    got = reputation.config_for(db, "ses-eu", GuardConfig())
+    assert (got.hard_bounce_rate, got.complaint_rate, got.exposure) == (0.025, 0.0005, 1000)
+    assert reputation.config_for(db, "other", GuardConfig()) == GuardConfig()
+    with pytest.raises(ValueError, match="hard_bounce_rate must be a fraction"):
+        reputation.set_config(db, "ses-eu", "ops", hard_bounce_rate=4)
+    with pytest.raises(ValueError, match="unknown reputation setting"):
+        reputation.set_config(db, "ses-eu", "ops", min_sample=5)
+
+
+def test_exposure_bound_grants_at_most_e_per_round_until_the_rates_are_known(db: psycopg.Connection) -> None:
+    # a new scope is not proven: at most E = 250 emails a round; the round starts again when as many
+    # outcomes arrived as it sent; once proven, everything is granted
+    cfg = dataclasses.replace(CONFIG, exposure=250)
+    grants = [reputation.admit(db, "welcome", 100, account=ACCOUNT, config=cfg).granted for _ in range(4)]
+    assert grants == [100, 100, 50, 0]
+    g = guard(db, "campaign", "welcome")
+    assert (g["round_sent"], g["waiting"], guard(db, "account", ACCOUNT)["round_sent"]) == (250, True, 250)
+    waiting = reputation.admit(db, "welcome", 100, account=ACCOUNT, config=cfg)
+    assert waiting.granted == 0 and "exposure E" in (waiting.waiting or "")
+
+    emails(db, "welcome", 200)  # 200 of the round's 250 outcomes: still waiting
+    reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
+    assert guard(db, "campaign", "welcome")["waiting"] is True
+    emails(db, "welcome", 50, first_user=300_000)
+    reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
+    g = guard(db, "campaign", "welcome")
+    assert (g["waiting"], g["round_sent"], g["proven"]) == (False, 0, False)  # 250 deliveries prove nothing yet
+    assert reputation.admit(db, "welcome", 100, account=ACCOUNT, config=cfg).granted == 100
+
+    reputation.refund(db, "welcome", 40, account=ACCOUNT)
+    assert guard(db, "campaign", "welcome")["round_sent"] == 60
+    emails(db, "welcome", 1500, first_user=400_000)  # enough clean outcomes to prove both tests
+    reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
+    assert (guard(db, "campaign", "welcome")["proven"], guard(db, "account", ACCOUNT)["proven"]) == (True, True)
+    assert [reputation.admit(db, "welcome", 100, account=ACCOUNT, config=cfg).granted for _ in range(30)] == [100] * 30
+
+
+def test_exposure_round_whose_outcomes_never_come_restarts_after_the_outcome_wait(db: psycopg.Connection) -> None:
+    cfg = dataclasses.replace(CONFIG, exposure=100, outcome_wait=timedelta(milliseconds=300))
+    assert reputation.admit(db, "welcome", 100, account=ACCOUNT, config=cfg).granted == 100
+    assert reputation.waiting_campaigns(db) == ["welcome"]
+    reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
+    assert guard(db, "campaign", "welcome")["waiting"] is True
+    time.sleep(0.4)
+    reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
+    assert (guard(db, "campaign", "welcome")["waiting"], reputation.waiting_campaigns(db)) == (False, [])
 
 
 def test_the_account_scope_is_read_at_most_once_per_account_every(db: psycopg.Connection) -> None:
     emails(db, "welcome", 100)
-    every = GuardConfig(min_sample=100)  # the default: once per second
+    every = GuardConfig()  # the default: once per second
     reputation.evaluate(db, ["welcome"], config=every, account=ACCOUNT)
     emails(db, "welcome", 100, hard=100, first_user=300_000)
     trips = reputation.evaluate(db, ["welcome"], config=every, account=ACCOUNT)
@@ -206,7 +305,7 @@ def test_the_account_scope_is_read_at_most_once_per_account_every(db: psycopg.Co
 def test_an_account_trip_blocks_every_campaign(rig: Rig) -> None:
     db = rig.db
     cid = provisioned(rig, 10)
-    emails(db, "welcome", 60, hard=5)  # 8 %, but under the minimum sample on its own
+    emails(db, "welcome", 60, hard=5)  # 8 %: 5 bounces in 60 is not yet enough evidence on its own
     emails(db, "digest", 60, hard=2, first_user=200_000)  # 3 %
 
     trips = reputation.evaluate(db, ["welcome", "digest"], config=CONFIG, account=ACCOUNT)
@@ -234,7 +333,7 @@ def test_an_account_trip_blocks_every_campaign(rig: Rig) -> None:
 def test_a_tripped_scheduled_campaign_is_paused_and_not_dispatched_until_resumed(rig: Rig) -> None:
     db = rig.db
     cid = provisioned(rig, 10)
-    emails(db, "outreach_test", 100, hard=7, kind="scheduled")  # earlier sends of the same campaign
+    emails(db, "outreach_test", 100, hard=7, kind="scheduled")  # earlier sends of the same campaign: 7 % trips
 
     [trip] = reputation.evaluate(db, ["outreach_test"], config=CONFIG, include_account=False)
 
@@ -245,7 +344,7 @@ def test_a_tripped_scheduled_campaign_is_paused_and_not_dispatched_until_resumed
     assert actor == "reputation_guard"
     assert (detail["hard_bounce_rate"], detail["complaint_rate"], detail["sample"], detail["hard_bounces"]) == (
         "0.070000", "0.000000", 100, 7)
-    assert detail["reason"].startswith("reputation guard tripped (campaign outreach_test): hard-bounce rate 7%")
+    assert detail["reason"].startswith("reputation guard tripped (campaign outreach_test): hard bounces 7% (7 of 100")
     assert scheduled.status(db, cid)["paused_reason"] == detail["reason"]
 
     s = rig.dispatch()
@@ -279,7 +378,7 @@ def test_resume_leaves_a_campaign_paused_by_a_person_paused(rig: Rig) -> None:
 
 def test_the_lifecycle_source_skips_a_tripped_campaign_with_the_reason(rig: Rig) -> None:
     rig.users(5, start=1, plan="pro")
-    emails(rig.db, "welcome", 100, hard=6)
+    emails(rig.db, "welcome", 100, hard=7)
     reputation.evaluate(rig.db, ["welcome"], config=CONFIG, include_account=False)
     from lifecycle_rig import FAST_RETRY  # noqa: F401  (the same retry policy as the scheduled rig)
 
@@ -290,7 +389,7 @@ def test_the_lifecycle_source_skips_a_tripped_campaign_with_the_reason(rig: Rig)
     welcome, other = summaries
     assert (welcome.eligible, welcome.minted, welcome.sent) == (0, 0, 0)
     assert welcome.stopped.startswith("reputation guard tripped (campaign welcome)")
-    assert "hard-bounce rate 6% (6 of 100)" in welcome.stopped
+    assert "hard bounces 7% (7 of 100 emails with an outcome)" in welcome.stopped
     assert (other.sent, other.stopped) == (5, None)
     assert rig.db.execute("select count(*) from mail.send_log where campaign = 'welcome' and sent_at > now()"
                           " - interval '1 minute' and user_id <= 5").fetchone() == (0,)
@@ -319,15 +418,15 @@ def test_two_evaluators_at_once_trip_once_and_pause_once(rig: Rig) -> None:
 
 def test_a_trip_is_alerted_once_with_the_rates_and_the_sample(db: psycopg.Connection,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    emails(db, "welcome", 100, hard=5, complained=1)
+    emails(db, "welcome", 100, hard=10, complained=1)
     reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False)
 
     with caplog.at_level("ERROR", logger="mailflow.alerts"):
         lines = reputation_alerts(db)
-    assert lines == ["campaign welcome: hard bounces 5%, complaints 1% over 100 emails with an outcome; "
-                     "hard-bounce rate 5% (5 of 100) >= 5% and complaint rate 1% (1 of 100) >= 0.30% over the last "
-                     "100 emails with an outcome (hard bounces 5%, complaints 1%); resume: mailflow reputation "
-                     "resume --campaign welcome --reason ..."]
+    assert lines == ["campaign welcome: hard bounces 10% of 100 emails with an outcome, complaints 1.111% of 90 "
+                     "delivered; hard bounces 10% (10 of 100 emails with an outcome) against the 2% line: the "
+                     "sequential test crossed its trip line (log-likelihood ratio >= 6.90; false-trip probability "
+                     "<= 0.001); resume: mailflow reputation resume --campaign welcome --reason ..."]
     assert "reputation guard: 1 scope(s) tripped" in caplog.text and lines[0] in caplog.text
     assert reputation_alerts(db) == []
     assert guard(db, "campaign", "welcome")["alerted_at"] is not None
@@ -339,7 +438,7 @@ def test_the_cli_shows_and_resumes(db: psycopg.Connection, db_dsn: str, capsys: 
 
     assert mailflow_cli(["reputation", "status", "--dsn", db_dsn]) == 0
     out = capsys.readouterr().out
-    assert "tripped" in out and "campaign welcome tripped: hard-bounce rate 50% (50 of 100)" in out
+    assert "tripped" in out and "campaign welcome tripped: hard bounces 50% (50 of 100 emails with an outcome)" in out
     assert mailflow_cli(["reputation", "resume", "--campaign", "welcome", "--by", "dave", "--dsn", db_dsn]) == 2
     assert "--reason" in capsys.readouterr().err
     assert mailflow_cli(["reputation", "resume", "--campaign", "nosuch", "--by", "dave", "--reason", "x",
@@ -396,7 +495,6 @@ def test_canary_is_released_after_the_maximum_wait_without_outcomes(rig: Rig) ->
 
 def test_a_canary_that_bounces_trips_the_guard_and_the_rest_is_never_sent(rig: Rig,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MAILFLOW_GUARD_MIN_SAMPLE", "5")
     cid = provisioned(rig, 50, canary_share=0.1)
     assert rig.dispatch().sent == 5
     _outcomes(rig.db, "true", "hard_bounced")
@@ -437,3 +535,48 @@ def test_a_person_who_pauses_a_guard_paused_campaign_keeps_it_paused_through_a_r
     assert (out["changed"], out["unpaused"]) == (True, [])
     assert rig.campaign_row(cid)["status"] == "paused"
     assert rig.dispatch().sent == 0
+
+
+# -- the exposure bound on the sending paths -----------------------------------------------------------
+
+
+def test_exposure_bound_a_lifecycle_run_sends_at_most_e_before_any_outcome(rig: Rig,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # no outcome arrives (every webhook late): the run mints and sends exactly E, then waits for feedback
+    # until its budget ends; once the outcomes are in, the next run goes on
+    monkeypatch.setenv("MAILFLOW_GUARD_EXPOSURE", "120")
+    rig.users(300, start=1, plan="pro")
+    campaign = simple_campaign("welcome", 1, "user_id <= 300")
+
+    def run() -> Any:
+        [summary] = run_lifecycle(PostgresStore(rig.conn()), rig.client(), rig.renderer(), [campaign], INTERVAL,
+                                  run=LIFECYCLE_RUN, chunk_size=50, budget_seconds=3)
+        return summary
+
+    first = run()
+    assert (first.minted, first.sent) == (120, 120)
+    assert first.stopped.startswith("time budget while waiting for outcomes: account ")
+    assert "is not proven yet: 120 of its emails await their outcomes (exposure E)" in first.stopped
+    assert len(rig.emulator.read_outbox()) == 120
+    g = guard(rig.db, "campaign", "welcome")
+    assert (g["round_sent"], g["waiting"]) == (120, True)
+
+    _outcomes(rig.db, "campaign = 'welcome'")  # the 120 delivered
+    second = run()
+    assert (second.sent, len(rig.emulator.read_outbox())) == (120, 240)
+
+
+def test_exposure_bound_the_dispatcher_claims_at_most_e_before_any_outcome(rig: Rig,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAILFLOW_GUARD_EXPOSURE", "100")
+    cid = provisioned(rig, 300)
+
+    assert rig.dispatch(batch_size=40).sent == 100  # 40 + 40 + 20: the round is spent
+    assert rig.dispatch().sent == 0  # the claim statements skip a waiting campaign: no spin, nothing sent
+    assert rig.db.execute("select count(*) from mail.send_log where status = 'pending'").fetchone() == (200,)
+    assert guard(rig.db, "campaign", "outreach_test")["waiting"] is True
+
+    _outcomes(rig.db, "campaign = 'outreach_test'")  # the round's outcomes arrive: the next run evaluates it
+    assert rig.dispatch().sent == 100
+    assert len(rig.emulator.read_outbox()) == 200
+    assert rig.campaign_row(cid)["status"] == "scheduled"

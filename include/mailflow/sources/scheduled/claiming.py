@@ -29,6 +29,7 @@ from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_s
 # the one definition of a campaign's recipient source (the file or the checked table), shared with
 # provisioning so the address at send time comes from exactly the query that chose the recipient
 from mailflow.sources.scheduled.provisioning import recipient_source
+from mailflow.store import reputation
 from mailflow.store.contact_guard import duplicate_reason, load_contacts, lock_contacts, reserve_addresses
 from mailflow.store.policy import Hold, evaluate, mailbox_key, normalise_address
 from mailflow.store.scheduled import ScheduledStore
@@ -185,6 +186,7 @@ class Dispatcher:
         self.folder = folder or CampaignFolder.resolve()
         self.policy: ContactPolicy = policy if policy is not None else load_policy(folder=self.folder)
         self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
+        self.account: str | None = None  # the sending client's provider account (the reputation guard's scope)
         self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
         # each campaign's recipient source, composed once per dispatch call (None: keep the snapshot)
         self.sources: dict[str, pgsql.Composable | None] = {}
@@ -242,6 +244,10 @@ class Dispatcher:
                     self.who, list(decided), [d[0] for d in decided.values()],
                     [d[1] for d in decided.values()], [d[2] for d in decided.values()])
             go = [r for r in picked if int(r[0]) not in decided]
+            if go:
+                # the reputation guard's exposure bound, in this transaction: a scope whose rates are not
+                # known yet sends at most E emails a round; the rest stay pending, in plan order
+                go = go[:reputation.admit(self.conn, str(crow["name"]), len(go), account=self.account).granted]
             found: list[Any] = []
             if go:
                 addrs = [normalise_address(r[2]) for r in go]

@@ -15,7 +15,7 @@ from mailflow.model.apply_by_index import campaign_field
 from mailflow.model.clock import Clock, SystemClock
 from mailflow.model.outcome import Accepted, NotSent, Outcome, Refused, RunContext, SendError, Unknown
 from mailflow.model.policy import ContactPolicy
-from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker
+from mailflow.provider.breaker import CIRCUIT_OPEN, CircuitBreaker, breaker_account
 from mailflow.sendloop.engine import (
     MAX_BATCH,
     ChunkPipeline,
@@ -120,6 +120,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     run = run or RunContext()
     d = Dispatcher(conn, renderer, run, batch_size, policy, folder)
     d.key_identity = key_identity_of(provider)
+    d.account = breaker_account(provider)
     summary = DispatchSummary()
     t0 = clock.monotonic()
     deadline = t0 + budget_seconds
@@ -129,6 +130,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     breaker = breaker or CircuitBreaker.for_run(conn, provider, run)
     actor = actor_name(run, "dispatcher")
     summary.canaries_released = release_canaries(conn, actor)
+    waiting = reputation.waiting_campaigns(conn)
+    if waiting:  # a round whose outcomes stopped coming starts again after the guard's outcome wait
+        reputation.evaluate(conn, waiting, account=reputation.guard_account(conn, d.account))
 
     def pause_campaign(name: str, reason: str) -> None:
         """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""

@@ -9,98 +9,112 @@ select account from mail.rate_slot order by next_slot desc limit 1
 -- ~50 ms, ten times the query.
 set local jit = off
 
+-- name: now
+-- The database clock, in epoch seconds (the complaint test's marks and the exposure rounds use it).
+select extract(epoch from now())::float8
+
+-- name: existing
+-- Which of the scopes have a guard row.
+select scope, name from mail.reputation_guard g
+where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
+
 -- name: ensure_scopes
--- A guard row (state ok) for each scope not seen before; an existing row is left as it is.
-insert into mail.reputation_guard (scope, name)
-select s.scope, s.name from unnest(%(scopes)s::text[], %(names)s::text[]) as s(scope, name)
+-- A guard row (state ok, not proven) for each scope not seen before, its baseline the counters now; an
+-- existing row is left as it is.
+insert into mail.reputation_guard (scope, name, seen)
+select s.scope, s.name, s.seen
+from unnest(%(scopes)s::text[], %(names)s::text[], %(seen)s::jsonb[]) as s(scope, name, seen)
 on conflict (scope, name) do nothing
 
--- name: scopes
--- The guard rows of the scopes being evaluated (no lock: the update below is guarded on what it read);
--- `fresh`: evaluated less than `every` seconds ago (the account scope is then not read again).
-select scope, name, state, resumed_at,
-       coalesce(evaluated_at > now() - make_interval(secs => %(every)s), false) as fresh
-from mail.reputation_guard
-where (scope = 'campaign' and name = any(%(campaigns)s::text[])) or (scope = 'account' and name = %(account)s)
+-- name: lock_scopes
+-- The guard rows of the scopes, locked for the read-modify-write of their statistics, account first,
+-- then the campaigns by name (every locker takes them in this order: no deadlock). `fresh`: evaluated
+-- less than `every` seconds ago and not waiting for its round's outcomes (the account scope is then not
+-- read again).
+select g.*, extract(epoch from g.last_grant_at)::float8 as last_grant_epoch,
+       coalesce(g.evaluated_at > now() - make_interval(secs => %(every)s), false) and not g.waiting as fresh
+from mail.reputation_guard g
+where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
+order by g.scope = 'account' desc, g.name
+for update of g
 
--- name: campaign_rates
--- Per campaign, over its most recent `max_sample` sent emails that have an outcome, sent within the
--- window and after the scope's last resume: how many, how many hard-bounced, how many complained.
--- Walks the campaign's sent emails newest first (send_log_campaign_sent_idx (campaign, sent_at)
--- where status = 'sent', backwards) and looks each one's outcome up by mail.delivery_status's primary
--- key; OFFSET 0 keeps that lookup a per-row probe (flattened into a join, the planner hashes the
--- whole outcome table). The walk is bounded twice: at most `walk` newest sent emails (the inner
--- LIMIT also makes the planner read the index in order instead of sorting the whole window), and
--- at most `max_sample` of them with an outcome; so one evaluation costs the same at any size.
-select x.name, r.sample, r.hard, r.complaints
-from unnest(%(names)s::text[], %(resumed)s::timestamptz[]) as x(name, resumed_at)
-cross join lateral (
-    select count(*)::int as sample, count(o.hard_bounced_at)::int as hard, count(o.complained_at)::int as complaints
-    from (
-        select ds.hard_bounced_at, ds.complained_at
-        from (select l.id from mail.send_log l
-              where l.campaign = x.name and l.status = 'sent'
-                and l.sent_at >= greatest(now() - make_interval(secs => %(window)s), x.resumed_at)
-              order by l.sent_at desc
-              limit %(walk)s) l
-        cross join lateral (select d.hard_bounced_at, d.complained_at from mail.delivery_status d
-                            where d.send_log_id = l.id and d.outcome is not null offset 0) ds
-        limit %(max_sample)s
-    ) o
-) r
+-- name: campaign_counts
+-- The outcome counters now, per campaign (mail.campaign_counts: folded counts plus the unfolded deltas),
+-- in the order of `keys`.
+select x.campaign,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[1]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[2]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[3]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[4]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[5]), 0)::bigint
+from mail.campaign_counts x
+where x.campaign = any(%(names)s::text[]) and x.key = any(%(keys)s::text[])
+group by x.campaign
 
--- name: account_rates
--- The same over every campaign (the send log sends through one provider account): the most recent
--- `max_sample` sent emails with an outcome among the newest `walk`. The send log has no index on
--- sent_at alone (0011), so as mail.sent_email does: the campaign names by a skip scan of
--- send_log_campaign_sent_idx, each campaign's newest `walk` sends by its own index range read
--- backwards, the newest `walk` of those, then the per-row outcome probe. A handful of campaigns:
--- a handful of short index ranges, never the whole table.
-with recursive seen (campaign) as (
-    (select x.campaign from mail.send_log x where x.status = 'sent' order by x.campaign limit 1)
-    union all
-    select (select x.campaign from mail.send_log x
-            where x.status = 'sent' and x.campaign > s.campaign order by x.campaign limit 1)
-    from seen s
-    where s.campaign is not null
-), newest as (
-    select l.id, l.sent_at
-    from seen s
-    cross join lateral (select l.id, l.sent_at from mail.send_log l
-                        where l.campaign = s.campaign and l.status = 'sent'
-                          and l.sent_at >= greatest(now() - make_interval(secs => %(window)s),
-                                                    %(resumed)s::timestamptz)
-                        order by l.sent_at desc
-                        limit %(walk)s) l
-    where s.campaign is not null
-    order by l.sent_at desc
-    limit %(walk)s
-)
-select count(*)::int as sample, count(o.hard_bounced_at)::int as hard, count(o.complained_at)::int as complaints
-from (
-    select ds.hard_bounced_at, ds.complained_at
-    from newest l
-    cross join lateral (select d.hard_bounced_at, d.complained_at from mail.delivery_status d
-                        where d.send_log_id = l.id and d.outcome is not null offset 0) ds
-    limit %(max_sample)s
-) o
+-- name: account_counts
+-- The same summed over every campaign: the provider account's counters.
+select coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[1]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[2]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[3]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[4]), 0)::bigint,
+       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[5]), 0)::bigint
+from mail.campaign_counts x
+where x.key = any(%(keys)s::text[])
 
--- name: record
--- Store each scope's rates and, where `trip` says so, trip it. Guarded: only a scope still 'ok' and
--- not resumed since its rates were read changes, so of two evaluators at once exactly one trips it
--- (the second waits for the first's row lock, then finds the row tripped and changes nothing). A
--- tripped scope stays tripped: only resume() sets it back.
-update mail.reputation_guard g
-set hard_bounce_rate = r.hard_rate, complaint_rate = r.complaint_rate, sample = r.sample, evaluated_at = now(),
-    state = case when r.trip then 'tripped' else 'ok' end,
-    tripped_at = case when r.trip then now() else g.tripped_at end,
-    reason = case when r.trip then r.reason else g.reason end,
-    alerted_at = case when r.trip then null else g.alerted_at end
-from unnest(%(scopes)s::text[], %(names)s::text[], %(samples)s::int[], %(hard_rates)s::numeric[],
-            %(complaint_rates)s::numeric[], %(trips)s::boolean[], %(reasons)s::text[], %(resumed)s::timestamptz[])
-     as r(scope, name, sample, hard_rate, complaint_rate, trip, reason, resumed_at)
-where g.scope = r.scope and g.name = r.name and g.state = 'ok' and g.resumed_at is not distinct from r.resumed_at
-returning g.scope, g.name, g.state = 'tripped' and r.trip as tripped_now, g.tripped_at
+-- name: store
+-- One scope's statistics after an evaluation (its row is locked by lock_scopes); `trip`: it trips now.
+-- A tripped scope stays tripped: only a resume sets it back.
+update mail.reputation_guard
+set llr_bounce = %(llr_bounce)s, llr_gross = %(llr_gross)s, llr_complaint = %(llr_complaint)s,
+    proven = %(proven)s and not %(trip)s, seen = %(seen)s, delivered_marks = %(marks)s, evidence = %(evidence)s,
+    cum_outcomes = %(cum_outcomes)s, cum_hard = %(cum_hard)s, cum_complaints = %(cum_complaints)s,
+    cum_delivered = %(cum_delivered)s, awaiting = %(awaiting)s,
+    round_sent = %(round_sent)s, round_outcomes = %(round_outcomes)s,
+    round_started_at = case when %(round_sent)s = 0 then null else round_started_at end,
+    waiting = %(waiting)s and not %(trip)s,
+    hard_bounce_rate = %(hard_rate)s, complaint_rate = %(complaint_rate)s, sample = %(cum_outcomes)s,
+    evaluated_at = now(),
+    state = case when %(trip)s then 'tripped' else state end,
+    tripped_at = case when %(trip)s then now() else tripped_at end,
+    reason = case when %(trip)s then %(reason)s else reason end,
+    alerted_at = case when %(trip)s then null else alerted_at end
+where scope = %(scope)s and name = %(name)s and state = 'ok'
+returning tripped_at
+
+-- name: grant
+-- Count a grant in a scope's exposure round (its row is locked by lock_scopes): a round starting now
+-- records the outcome count it starts from (`base`); `waiting`: the round is spent.
+update mail.reputation_guard
+set round_sent = round_sent + %(n)s, last_grant_at = now(), waiting = %(waiting)s,
+    round_started_at = coalesce(round_started_at, now()),
+    round_outcomes = coalesce(%(base)s, round_outcomes)
+where scope = %(scope)s and name = %(name)s and not proven
+
+-- name: refund
+-- Give back emails granted but not sent, in the campaign's and the account's rounds.
+update mail.reputation_guard
+set round_sent = greatest(0, round_sent - %(n)s), waiting = false
+where ((scope = 'campaign' and name = %(campaign)s) or (scope = 'account' and name = %(account)s))
+  and not proven and round_sent > 0
+
+-- name: waiting
+-- The scopes whose exposure round is spent (the dispatcher evaluates them at each run).
+select name from mail.reputation_guard where waiting and scope = 'campaign' and state = 'ok' order by name
+
+-- name: setting
+-- One provider account's guard settings (null: the default).
+select hard_bounce_rate, complaint_rate, exposure, complaint_lag_hours
+from mail.reputation_setting where account = %(account)s
+
+-- name: set_setting
+-- Store one provider account's guard settings (null: the default), with who set them.
+insert into mail.reputation_setting (account, hard_bounce_rate, complaint_rate, exposure, complaint_lag_hours,
+                                     updated_by)
+values (%(account)s, %(hard_bounce_rate)s, %(complaint_rate)s, %(exposure)s, %(complaint_lag_hours)s, %(actor)s)
+on conflict (account) do update
+set hard_bounce_rate = excluded.hard_bounce_rate, complaint_rate = excluded.complaint_rate,
+    exposure = excluded.exposure, complaint_lag_hours = excluded.complaint_lag_hours,
+    updated_at = now(), updated_by = excluded.updated_by
 
 -- name: pause_campaigns
 -- Pause the scheduled campaigns a trip stops (one campaign, or every one for an account trip), in
@@ -134,7 +148,11 @@ limit 1
 -- A person resumes a scope: state ok, who, when and why. The trip's time and reason stay as history;
 -- outcomes of emails sent before resumed_at no longer count. Row-locked by the update.
 update mail.reputation_guard
-set state = 'ok', resumed_at = now(), resumed_by = %(actor)s, resume_reason = %(reason)s
+set state = 'ok', resumed_at = now(), resumed_by = %(actor)s, resume_reason = %(reason)s,
+    llr_bounce = 0, llr_gross = 0, llr_complaint = 0, proven = false, seen = %(seen)s,
+    delivered_marks = '[]'::jsonb, evidence = 0, cum_outcomes = 0, cum_hard = 0, cum_complaints = 0,
+    cum_delivered = 0, round_sent = 0, round_outcomes = null, round_started_at = null, waiting = false,
+    sample = 0, hard_bounce_rate = 0, complaint_rate = 0
 where scope = %(scope)s and name = %(name)s and state = 'tripped'
 returning resumed_at
 
@@ -171,14 +189,15 @@ returning campaign_id
 -- name: status
 -- Every guard row, tripped first, then by scope and name.
 select scope, name, state, hard_bounce_rate, complaint_rate, sample, evaluated_at, tripped_at, reason,
-       resumed_at, resumed_by, resume_reason, alerted_at
+       resumed_at, resumed_by, resume_reason, alerted_at, proven, waiting, round_sent, awaiting,
+       llr_bounce, llr_gross, llr_complaint, cum_hard, cum_complaints, cum_delivered
 from mail.reputation_guard
 order by state = 'tripped' desc, scope, name
 
 -- name: unalerted
 -- Trips not put in an alert yet, oldest first; locked (SKIP LOCKED: two alerting runs never send
 -- the same trip twice) until the alert is sent and alerted_at is set in the same transaction.
-select scope, name, reason, hard_bounce_rate, complaint_rate, sample, tripped_at
+select scope, name, reason, hard_bounce_rate, complaint_rate, sample, cum_delivered, tripped_at
 from mail.reputation_guard
 where state = 'tripped' and alerted_at is null
 order by tripped_at, scope, name

@@ -208,8 +208,8 @@ with p as (
     ) as x
     where c.status = 'scheduled'
       and not exists (select 1 from mail.reputation_guard g
-                      where g.state = 'tripped' and g.scope = 'campaign' and g.name = c.name)
-      and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
+                      where (g.state = 'tripped' or g.waiting) and g.scope = 'campaign' and g.name = c.name)
+      and not exists (select 1 from mail.reputation_guard g where (g.state = 'tripped' or g.waiting) and g.scope = 'account')
     order by x.scheduled_at
     limit %(batch)s
 )
@@ -239,8 +239,8 @@ with pick as materialized (
     where d.status = 'pending' and d.kind = 'scheduled' and d.scheduled_at <= now()
       and (c.canary_share is null or c.canary_released_at is not null or d.id <= c.canary_last_id)
       and not exists (select 1 from mail.reputation_guard g
-                      where g.state = 'tripped' and g.scope = 'campaign' and g.name = c.name)
-      and not exists (select 1 from mail.reputation_guard g where g.state = 'tripped' and g.scope = 'account')
+                      where (g.state = 'tripped' or g.waiting) and g.scope = 'campaign' and g.name = c.name)
+      and not exists (select 1 from mail.reputation_guard g where (g.state = 'tripped' or g.waiting) and g.scope = 'account')
       and not exists (select 1 from mail.suppression s
                       where s.user_id = d.user_id and s.scope in ('all', d.campaign))
       and not (c.recipients_sql is null and c.recipients_table = 'mail.campaign_recipient'
