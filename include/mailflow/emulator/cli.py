@@ -104,6 +104,9 @@ class _DropAbortNoise(logging.Filter):
 @click.option("--webhook-concurrency", type=int, default=64, show_default=True, help="attempts in flight")
 @_fractions(WEBHOOK_RATES)
 @click.option("--webhook-delay-seconds", type=float, default=0.0)
+@click.option("--webhook-latency-min-seconds", type=float, default=0.0)
+@click.option("--webhook-latency-max-seconds", type=float, default=0.0,
+              help="every webhook's first attempt waits a random time in [min, max] s: outcomes arrive late")
 @click.option("--webhook-log", default=None, help="JSON-lines file, one line per final message or copy")
 @click.option("--webhook-records-max", type=int, default=0,
               help="messages kept in memory for the control view (the newest; 0 = all)")
@@ -146,6 +149,8 @@ def emulator(**options: Any) -> int:
         webhook_concurrency=args.webhook_concurrency, webhook_duplicate_rate=args.webhook_duplicate_rate,
         webhook_reorder_rate=args.webhook_reorder_rate, webhook_delay_rate=args.webhook_delay_rate,
         webhook_delay_seconds=args.webhook_delay_seconds, webhook_drop_rate=args.webhook_drop_rate,
+        webhook_latency_min_seconds=args.webhook_latency_min_seconds,
+        webhook_latency_max_seconds=args.webhook_latency_max_seconds,
         webhook_forged_rate=args.webhook_forged_rate, webhook_stale_rate=args.webhook_stale_rate,
         webhook_future_rate=args.webhook_future_rate, webhook_log=args.webhook_log,
         webhook_records_max=args.webhook_records_max,

@@ -102,6 +102,9 @@ class EmulatorConfig:
     #   last one, newest first (delivered after bounced, opened before delivered)
     webhook_delay_rate: float = 0.0  # (runtime) messages whose first attempt waits webhook_delay_seconds more
     webhook_delay_seconds: float = 0.0  # (runtime)
+    webhook_latency_min_seconds: float = 0.0  # (runtime) every message's first attempt waits a further
+    webhook_latency_max_seconds: float = 0.0  # (runtime) uniform random time in [min, max] (seeded per
+    #   svix-id): outcomes that arrive late, each on its own, so an email's events also arrive out of order
     webhook_drop_rate: float = 0.0  # (runtime) attempts lost on the way: never reach the receiver, count
     #   as failed and are retried on the schedule
     webhook_forged_rate: float = 0.0  # (runtime) messages preceded by a forged copy: same svix-id, a
@@ -142,7 +145,7 @@ _RUNTIME = {
     "complaint_rate", "open_rate", "click_rate", "event_spread_seconds",
     "webhook_url", "webhook_secrets", "webhook_events", "webhook_retry_schedule", "webhook_time_scale",
     "webhook_timeout_seconds", "webhook_duplicate_rate", "webhook_reorder_rate", "webhook_delay_rate",
-    "webhook_delay_seconds", "webhook_drop_rate", "webhook_forged_rate", "webhook_stale_rate",
+    "webhook_delay_seconds", "webhook_latency_min_seconds", "webhook_latency_max_seconds", "webhook_drop_rate", "webhook_forged_rate", "webhook_stale_rate",
     "webhook_future_rate",
 }
 RUNTIME_SETTINGS = frozenset(_RUNTIME)

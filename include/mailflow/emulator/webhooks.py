@@ -108,7 +108,8 @@ class Message:
     disabled before it was acknowledged) or, for a copy sent once, ``rejected``."""
 
     __slots__ = ("svix_id", "email_id", "type", "endpoint_id", "kind", "body", "event_at", "first_at",
-                 "attempts", "final", "acked_at", "gen", "copies", "duplicate", "chain_next", "delay_first")
+                 "attempts", "final", "acked_at", "gen", "copies", "duplicate", "chain_next", "delay_first",
+                 "latency")
 
     def __init__(self, svix_id: str, email_id: str, event_type: str, endpoint_id: str, kind: str, body: str,
                  event_at: float, gen: int):
@@ -122,6 +123,7 @@ class Message:
         self.duplicate = False  # delivered once more after it is acknowledged
         self.chain_next: Message | None = None  # reordered emails: the next message, after this one's try
         self.delay_first = False  # the first attempt waits webhook_delay_seconds more
+        self.latency = 0.0  # the first attempt waits this much more (webhook_latency_*_seconds)
 
     def public(self) -> dict[str, Any]:
         return {"svix_id": self.svix_id, "email_id": self.email_id, "type": self.type,
@@ -289,6 +291,10 @@ class WebhookDispatcher:
                     self._schedule(msg, offset + first_delay)
 
     def _draw_message_faults(self, msg: Message, cfg: EmulatorConfig) -> None:
+        if cfg.webhook_latency_max_seconds > 0:
+            low = min(cfg.webhook_latency_min_seconds, cfg.webhook_latency_max_seconds)
+            u = random.Random(f"{cfg.seed}:latency:{msg.svix_id}").random()
+            msg.latency = low + (cfg.webhook_latency_max_seconds - low) * u
         rates = (cfg.webhook_forged_rate, cfg.webhook_stale_rate, cfg.webhook_future_rate,
                  cfg.webhook_duplicate_rate, cfg.webhook_delay_rate)
         if not any(rates):
@@ -305,6 +311,8 @@ class WebhookDispatcher:
         if msg.delay_first:
             msg.delay_first = False
             delay += self.cfg.webhook_delay_seconds
+        if msg.latency:
+            delay, msg.latency = delay + msg.latency, 0.0
         assert self.loop is not None and self.queue is not None
         if delay <= 0:
             self.queue.put_nowait(msg)

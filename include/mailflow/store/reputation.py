@@ -34,7 +34,7 @@ trip: 5 hard bounces at a 100 % bounce rate, about 540 outcomes at exactly 2 %, 
 
 Bounded exposure. A scope is *proven* once the bounce and gross-complaint tests have reached their lower
 boundary (their rates are known to be healthy), and stays proven until either ratio rises above 0. While a
-scope is not proven, at most ``exposure`` (E, default 5,000) of its emails are granted per round
+scope is not proven, at most ``exposure`` (E, default 10,000) of its emails are granted per round
 (:func:`admit`, called by the lifecycle source before each chunk and by the dispatcher's claim); a new round
 starts once as many outcomes have arrived as the round sent, or when none came for ``outcome_wait`` (default
 15 minutes). A bad audience is therefore stopped within its first E emails whenever its test needs fewer
@@ -87,7 +87,9 @@ class GuardConfig:
         Resend's 4 %).
     :param complaint_rate: the complaint line to stay under (fraction; default 0.0004, half of Resend's
         0.08 %). At most 0.099: the gross test's H1 is ten times it.
-    :param exposure: E, the emails a scope that is not proven may send per round (default 5,000).
+    :param exposure: E, the emails a scope that is not proven may send per round (default 10,000: about what
+        800 emails/s put in flight while the first outcomes come back, so a healthy audience is proven before its
+        first round is spent).
     :param complaint_lag: complaints are expected over this long after delivery (default 24 h); a
         delivered email weighs ``age / complaint_lag`` (at most 1) in the complaint test.
     :param outcome_wait: a round whose outcomes stopped coming is over after this long without a grant
@@ -104,7 +106,7 @@ class GuardConfig:
 
     hard_bounce_rate: float = 0.02
     complaint_rate: float = 0.0004
-    exposure: int = 5_000
+    exposure: int = 10_000
     complaint_lag: timedelta = timedelta(hours=24)
     outcome_wait: timedelta = timedelta(minutes=15)
     false_trip: float = 0.001

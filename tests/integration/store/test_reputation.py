@@ -224,7 +224,7 @@ def test_defaults_sit_below_the_strictest_published_lines_and_the_environment_ov
     d = GuardConfig()
     # Resend's acceptable-use policy: bounces under 4 %, complaints under 0.08 %: half of each
     assert (d.hard_bounce_rate, d.complaint_rate, d.exposure, d.complaint_lag, d.false_trip, d.miss) == (
-        0.02, 0.0004, 5000, timedelta(hours=24), 0.001, 0.01)
+        0.02, 0.0004, 10_000, timedelta(hours=24), 0.001, 0.01)
     assert (round(d.upper, 3), round(d.lower, 3)) == (6.898, -4.604)
     assert round(reputation.operating_characteristics(1.0)) == 5
     assert round(reputation.operating_characteristics(0.005, "gross")) == 871
