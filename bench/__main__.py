@@ -3,7 +3,8 @@ PostgreSQL (TEST_DATABASE_URL or the embedded server) and the emulator, and writ
 ``bench/results/latest.json`` (one object per metric: value, unit, target, met, params) and
 ``bench/results/latest.md`` (the table). See docs/performance.md.
 
-Suites, cheapest first: pipeline (metric 3), memory (5), dag_import (7), provider (1, 2),
+Suites, cheapest first: pipeline (metric 3), memory (5), dag_import (7), guard (the reputation guard's
+cost per call), provider (1, 2),
 audience (4, and metric 3 at 1M users), history (the send log at 20M rows beside the 1M population, as
 ratios; its population is cached between runs, see bench/history.py), lifecycle_e2e (8: end-to-end lifecycle utilisation),
 dispatch (6), webhooks (webhook ingestion and outcome coverage). A suite that fails is recorded as a failed
@@ -28,6 +29,7 @@ from bench import (
     audience,
     dag_import,
     dispatch,
+    guard,
     history,
     lifecycle_e2e,
     memory,
@@ -42,6 +44,7 @@ SUITES = {
     "pipeline": pipeline.run,
     "memory": memory.run,
     "dag_import": dag_import.run,
+    "guard": guard.run,
     "provider": provider.run,
     "audience": audience.run,
     "history": history.run,

@@ -16,6 +16,8 @@ The send log (``--dsn`` before or after the command, or ``MAILFLOW_DSN``)::
     mailflow reopen-refused --campaign NAME [--field from] [--apply]   # un-charge a campaign's mistake
     mailflow reputation status                                         # the reputation guard's scopes
     mailflow reputation resume (--campaign NAME | --account NAME) --reason TEXT [--by NAME]
+    mailflow reputation set --account NAME [--hard-bounce-rate F] [--complaint-rate F] [--exposure E]
+                            [--complaint-lag-hours H] [--by NAME]   # per-account lines ('default' resets)
 
 Scheduled campaigns (JSON output; NAME is a campaign's name or id)::
 
@@ -518,37 +520,86 @@ def _breaker(conn: psycopg.Connection, close: str | None, by: str) -> int:
     return 0
 
 
+def _setting(kind: type) -> Callable[[str | None], float | int | None | str]:
+    """A ``mailflow reputation set`` value: a number, ``default`` (back to the default) or absent."""
+    def parse(raw: str | None) -> float | int | None | str:
+        if raw is None:
+            return None
+        if raw.strip().lower() == "default":
+            return "default"
+        try:
+            return kind(raw)
+        except ValueError:
+            raise click.BadParameter(f"{raw!r} is not a number (or 'default')") from None
+    return parse
+
+
 @cli.command("reputation")
-@click.argument("action", type=click.Choice(["status", "resume"]))
+@click.argument("action", type=click.Choice(["status", "resume", "set"]))
 @click.option("--campaign", help="resume this campaign")
-@click.option("--account", help="resume the provider account (every campaign)")
+@click.option("--account", help="resume the provider account (every campaign), or the account whose settings to set")
 @click.option("--reason", default="", help="why it is safe to send again (required to resume)")
-@click.option("--by", default=lambda: os.environ.get("USER", ""), show_default="$USER", help="who resumes")
+@click.option("--by", default=lambda: os.environ.get("USER", ""), show_default="$USER", help="who resumes or sets")
+@click.option("--hard-bounce-rate", callback=lambda _c, _p, v: _setting(float)(v),
+              help="set: the hard-bounce line (fraction, e.g. 0.02), or 'default'")
+@click.option("--complaint-rate", callback=lambda _c, _p, v: _setting(float)(v),
+              help="set: the complaint line (fraction, e.g. 0.0004), or 'default'")
+@click.option("--exposure", callback=lambda _c, _p, v: _setting(int)(v),
+              help="set: E, emails a scope may send per round before its rates are known, or 'default'")
+@click.option("--complaint-lag-hours", callback=lambda _c, _p, v: _setting(float)(v),
+              help="set: over how many hours after delivery complaints arrive, or 'default'")
 @dsn_option
-def reputation_command(action: str, campaign: str | None, account: str | None, reason: str, by: str) -> int:
-    """The reputation guard: status, or resume a tripped campaign or account (a person's decision;
-    docs/operations.md, 'Reputation guard')."""
-    if campaign and account:
+def reputation_command(action: str, campaign: str | None, account: str | None, reason: str, by: str,
+                       **settings: Any) -> int:
+    """The reputation guard: status, resume a tripped campaign or account (a person's decision), or set
+    an account's lines, E and complaint lag (docs/operations.md, 'Reputation guard')."""
+    if campaign and account and action == "resume":
         raise click.UsageError("--campaign and --account exclude each other: resume one scope at a time")
-    return _reputation(action=action, campaign=campaign, account=account, reason=reason, by=by)
+    return _reputation(action=action, campaign=campaign, account=account, reason=reason, by=by, settings=settings)
 
 
 @_db_command
 def _reputation(conn: psycopg.Connection, action: str, campaign: str | None, account: str | None, reason: str,
-                by: str) -> int:
+                by: str, settings: dict[str, Any]) -> int:
     from mailflow.sources.scheduled.control import resume_reputation
     from mailflow.store import reputation
 
     if action == "status":
         rows = reputation.status(conn)
-        print_table(("scope", "name", "state", "hard_bounce_rate", "complaint_rate", "sample", "evaluated_at",
-                     "tripped_at", "resumed_at", "resumed_by"),
-                    [tuple("-" if r[k] is None else r[k] for k in (
-                        "scope", "name", "state", "hard_bounce_rate", "complaint_rate", "sample", "evaluated_at",
-                        "tripped_at", "resumed_at", "resumed_by")) for r in rows])
+        keys = ("scope", "name", "state", "hard_bounce_rate", "complaint_rate", "sample", "proven", "round_sent",
+                "waiting", "awaiting", "evaluated_at", "tripped_at", "resumed_at", "resumed_by")
+        print_table(keys, [tuple("-" if r[k] is None else r[k] for k in keys) for r in rows])
         for r in rows:
             if r["state"] == "tripped":
                 print(f"{r['scope']} {r['name']} tripped: {r['reason']}")
+        for acct in sorted({r["name"] for r in rows if r["scope"] == "account"}):
+            c = reputation.config_for(conn, acct)
+            print(f"account {acct}: lines {c.hard_bounce_rate:g} hard bounces, {c.complaint_rate:g} complaints; "
+                  f"E {c.exposure}; complaint lag {c.complaint_lag}")
+        return 0
+    if action == "set":
+        if not account:
+            print("error: set names the provider account: --account NAME", file=sys.stderr)
+            return 2
+        if not by.strip():
+            print("error: a setting is a person's decision: give --by (or set $USER)", file=sys.stderr)
+            return 2
+        current = conn.execute(query("reputation", "setting"), {"account": account}).fetchone()
+        names = ("hard_bounce_rate", "complaint_rate", "exposure", "complaint_lag_hours")
+        values = dict(zip(names, current or (None,) * 4, strict=True))
+        for k in names:
+            v = settings.get(k)
+            if v is not None:
+                values[k] = None if v == "default" else v
+        try:
+            with conn.transaction():
+                reputation.set_config(conn, account, by, **values)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        c = reputation.config_for(conn, account)
+        print(f"account {account}: lines {c.hard_bounce_rate:g} hard bounces, {c.complaint_rate:g} complaints; "
+              f"E {c.exposure}; complaint lag {c.complaint_lag} (set by {by.strip()})")
         return 0
     if not (campaign or account):
         print("error: resume names what: --campaign NAME or --account NAME", file=sys.stderr)

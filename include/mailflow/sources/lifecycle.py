@@ -118,9 +118,11 @@ def run_lifecycle(
     state.breaker = breaker or (CircuitBreaker.for_run(conn, provider, run) if conn is not None else None)
     if conn is not None:
         state.guard = partial(reputation.blocked, conn)
-        state.admit = partial(reputation.admit, conn, account=breaker_account(provider))
-        state.account = breaker_account(provider)
-        state.evaluate = partial(reputation.evaluate, conn, account=reputation.guard_account(conn, state.account))
+        state.account = reputation.guard_account(conn, breaker_account(provider))
+        # the account's settings once per run (a change applies from the next run)
+        state.admit = partial(reputation.admit, conn, account=state.account,
+                              config=reputation.config_for(conn, state.account))
+        state.evaluate = partial(reputation.evaluate, conn, account=state.account)
     open_audience = getattr(store, "open_audience", None)
     close_audience = getattr(store, "close_audience", None)
     pipe = ChunkPipeline(store, provider, run, enabled=pipelined, apply_store=apply_store)

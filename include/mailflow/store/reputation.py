@@ -291,26 +291,36 @@ def _step(llr: float, bad: float, good: float, weights: tuple[float, float], flo
 
 def _counts(conn: psycopg.Connection, names: list[str], account: str | None) -> tuple[dict[tuple[str, str], dict[str, int]], bool]:
     """The outcome counters now: per campaign of ``names`` and, with ``account``, summed over every
-    campaign (the send log sends through one provider account); and whether the counters are seeded."""
+    campaign (the send log sends through one provider account); and whether the counters are seeded.
+    One read of the counters (every campaign's when the account is asked for, else only ``names``)."""
+    zero = {v: 0 for v in COUNTER_KEYS.values()}
     out: dict[tuple[str, str], dict[str, int]] = {}
     seeded = bool(conn.execute(query("counters", "seeded")).fetchone()[0])  # type: ignore[index]
     keys = list(COUNTER_KEYS)
-    if names:
-        for row in conn.execute(query("reputation", "campaign_counts"), {"names": names, "keys": keys}).fetchall():
-            out[("campaign", str(row[0]))] = {COUNTER_KEYS[k]: int(v) for k, v in zip(keys, row[1:], strict=True)}
-        for n in names:
-            out.setdefault(("campaign", n), {v: 0 for v in COUNTER_KEYS.values()})
+    if not names and account is None:
+        return out, seeded
+    total = dict(zero)
+    for row in conn.execute(query("reputation", "campaign_counts"), {
+            "names": None if account is not None else names, "keys": keys}).fetchall():
+        got = {COUNTER_KEYS[k]: int(v) for k, v in zip(keys, row[1:], strict=True)}
+        if str(row[0]) in names:
+            out[("campaign", str(row[0]))] = got
+        for k, v in got.items():
+            total[k] += v
+    for n in names:
+        out.setdefault(("campaign", n), dict(zero))
     if account is not None:
-        total = conn.execute(query("reputation", "account_counts"), {"keys": keys}).fetchone()
-        assert total is not None
-        out[("account", account)] = {COUNTER_KEYS[k]: int(v) for k, v in zip(keys, total, strict=True)}
+        out[("account", account)] = total
     return out, seeded
 
 
-def _ensure(conn: psycopg.Connection, scopes: list[tuple[str, str]]) -> None:
+def _ensure(conn: psycopg.Connection, scopes: list[tuple[str, str]], *, sending: bool = False) -> None:
     """Create the guard rows not seen before, their baseline at zero: a scope first seen counts its
     campaign's (or the account's) whole history in its first evaluation, so a campaign sent before the
-    guard knew it is judged on everything it has."""
+    guard knew it is judged on everything it has, its deliveries as old ones (they lived the complaint lag:
+    an upgrade must not trip a campaign on its old complaints). A row created by a sender (``sending``:
+    :func:`admit`, before the scope's first email) gets its first complaint-lag mark now, so what it sends
+    from here on counts as fresh."""
     have = {(r[0], r[1]) for r in conn.execute(query("reputation", "existing"), {
         "scopes": [s for s, _ in scopes], "names": [n for _, n in scopes]}).fetchall()}
     missing = [s for s in scopes if s not in have]
@@ -318,8 +328,10 @@ def _ensure(conn: psycopg.Connection, scopes: list[tuple[str, str]]) -> None:
         return
     seeded = bool(conn.execute(query("counters", "seeded")).fetchone()[0])  # type: ignore[index]
     zero = {**{k: 0 for k in COUNTER_KEYS.values()}, "seeded": seeded}
+    marks = [[float(conn.execute(query("reputation", "now")).fetchone()[0]), 0.0]] if sending else []  # type: ignore[index]
     conn.execute(query("reputation", "ensure_scopes"), {
-        "scopes": [s for s, _ in missing], "names": [n for _, n in missing], "seen": [Jsonb(zero) for _ in missing]})
+        "scopes": [s for s, _ in missing], "names": [n for _, n in missing], "seen": [Jsonb(zero) for _ in missing],
+        "marks": [Jsonb(marks) for _ in missing]})
 
 
 def evaluate(conn: psycopg.Connection, campaigns: Iterable[str], *, config: GuardConfig | None = None,
@@ -405,7 +417,8 @@ def _update(conn: psycopg.Connection, row: dict[str, Any], now_counts: dict[str,
     lag = config.complaint_lag.total_seconds()
     marks: list[list[float]] = list(row["delivered_marks"] or [])
     if not marks:
-        marks = [[now, float(row["cum_delivered"])]]
+        # first sight: what was delivered before the guard knew the scope counts as having lived the lag
+        marks = [[now - lag, float(cum_delivered)]]
     evidence = lagged_evidence(marks, now, cum_delivered, lag)
     if now - marks[-1][0] >= lag / 60:
         marks.append([now, float(cum_delivered)])
@@ -490,11 +503,12 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
         acct = guard_account(conn, account)
         config = config or config_for(conn, acct)
         keys = [("account", acct), ("campaign", campaign)]
-        _ensure(conn, keys)
+        params = {"scopes": [s for s, _ in keys], "names": [n for _, n in keys], "every": 0}
         with conn.cursor(row_factory=dict_row) as cur:
-            locked = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), {
-                "scopes": [s for s, _ in keys], "names": [n for _, n in keys], "every": 0}).fetchall()}
-        rows = locked
+            rows = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), params)}
+            if len(rows) < len(keys):  # a scope's first email
+                _ensure(conn, keys, sending=True)
+                rows = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), params)}
         for key in keys:
             r = rows[key]
             if r["state"] == "tripped":

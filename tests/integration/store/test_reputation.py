@@ -163,12 +163,13 @@ def test_complaint_lag_a_fresh_delivery_is_not_evidence_of_no_complaint(db: psyc
     # 5 complaints among 3,000 emails delivered a moment ago (0.17 %): the gross test does not cross, but
     # complaints arrive over a day, so fresh deliveries weigh almost nothing against them: the complaint
     # test trips. The same counts delivered over the last two days (weighing 0.75 on average) do not.
+    assert reputation.admit(db, "digest", 100, account=ACCOUNT, config=CONFIG).granted == 100  # about to send
     emails(db, "digest", 3000, complained=5)
     [trip] = reputation.evaluate(db, ["digest"], config=CONFIG, include_account=False)
     assert "(5 of 3000 delivered, 0 weighed by the 1 day, 0:00:00 complaint lag) against the 0.04% line" in trip.reason
     assert guard(db, "campaign", "digest")["llr_gross"] < CONFIG.upper
 
-    assert reputation.evaluate(db, ["matured"], config=CONFIG, include_account=False) == []  # the first mark
+    assert reputation.admit(db, "matured", 100, account=ACCOUNT, config=CONFIG).granted == 100
     db.execute("update mail.reputation_guard set delivered_marks = jsonb_build_array(jsonb_build_array("
                "extract(epoch from now() - interval '2 days')::float8, 0)) where name = 'matured'")
     emails(db, "matured", 3000, complained=5, first_user=400_000)
@@ -210,6 +211,16 @@ def test_stays_tripped_until_resumed_and_earlier_outcomes_then_no_longer_count(d
     # outcomes after the resume count again
     emails(db, "welcome", 100, hard=7, first_user=300_000)
     assert [t.hard_bounces for t in reputation.evaluate(db, ["welcome"], config=CONFIG, include_account=False)] == [7]
+
+
+def test_upgrade_a_campaign_first_seen_is_judged_on_its_history_as_old_deliveries(db: psycopg.Connection) -> None:
+    # a campaign sent before the guard knew it (an upgrade): its 12 complaints in 100,000 deliveries (0.012 %)
+    # are old news, weighed against deliveries that lived the lag: no trip, and the history proves it
+    emails(db, "old_digest", 20_000, complained=12)
+    emails(db, "old_digest", 80_000, first_user=1_000_000)
+    assert reputation.evaluate(db, ["old_digest"], config=CONFIG, include_account=False) == []
+    g = guard(db, "campaign", "old_digest")
+    assert (g["state"], g["proven"], g["cum_complaints"], round(g["evidence"])) == ("ok", True, 12, 100_000)
 
 
 def test_lagged_evidence_weighs_each_delivery_by_the_lag_it_lived() -> None:
@@ -449,6 +460,21 @@ def test_the_cli_shows_and_resumes(db: psycopg.Connection, db_dsn: str, capsys: 
     assert "resumed campaign welcome" in capsys.readouterr().out
     g = guard(db, "campaign", "welcome")
     assert (g["state"], g["resumed_by"], g["resume_reason"]) == ("ok", "dave", "list fixed")
+
+    # an account's settings: set, refused with the reason, back to the default
+    assert mailflow_cli(["reputation", "set", "--account", "acct-1", "--exposure", "2000", "--by", "ana",
+                         "--dsn", db_dsn]) == 0
+    assert "account acct-1: lines 0.02 hard bounces, 0.0004 complaints; E 2000" in capsys.readouterr().out
+    assert mailflow_cli(["reputation", "set", "--account", "acct-1", "--hard-bounce-rate", "4", "--by", "ana",
+                         "--dsn", db_dsn]) == 2
+    assert "hard_bounce_rate must be a fraction" in capsys.readouterr().err
+    assert mailflow_cli(["reputation", "set", "--account", "acct-1", "--complaint-rate", "0.0005", "--by", "ana",
+                         "--dsn", db_dsn]) == 0
+    assert "0.0005 complaints; E 2000" in capsys.readouterr().out  # the other settings are kept
+    assert mailflow_cli(["reputation", "set", "--account", "acct-1", "--exposure", "default", "--by", "ana",
+                         "--dsn", db_dsn]) == 0
+    assert "E 10000" in capsys.readouterr().out
+    assert db.execute("select updated_by from mail.reputation_setting").fetchone() == ("ana",)
 
 
 # -- the canary of a scheduled campaign --------------------------------------------------------------

@@ -187,6 +187,7 @@ class Dispatcher:
         self.policy: ContactPolicy = policy if policy is not None else load_policy(folder=self.folder)
         self.key_identity: str | None = None  # the sending client's (dispatch sets it); stored with each batch
         self.account: str | None = None  # the sending client's provider account (the reputation guard's scope)
+        self.guard_config: reputation.GuardConfig | None = None  # its guard settings (dispatch reads them once)
         self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
         # each campaign's recipient source, composed once per dispatch call (None: keep the snapshot)
         self.sources: dict[str, pgsql.Composable | None] = {}
@@ -247,7 +248,8 @@ class Dispatcher:
             if go:
                 # the reputation guard's exposure bound, in this transaction: a scope whose rates are not
                 # known yet sends at most E emails a round; the rest stay pending, in plan order
-                go = go[:reputation.admit(self.conn, str(crow["name"]), len(go), account=self.account).granted]
+                go = go[:reputation.admit(self.conn, str(crow["name"]), len(go), account=self.account,
+                                          config=self.guard_config).granted]
             found: list[Any] = []
             if go:
                 addrs = [normalise_address(r[2]) for r in go]

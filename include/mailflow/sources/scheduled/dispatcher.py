@@ -120,7 +120,8 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     run = run or RunContext()
     d = Dispatcher(conn, renderer, run, batch_size, policy, folder)
     d.key_identity = key_identity_of(provider)
-    d.account = breaker_account(provider)
+    d.account = reputation.guard_account(conn, breaker_account(provider))
+    d.guard_config = reputation.config_for(conn, d.account)
     summary = DispatchSummary()
     t0 = clock.monotonic()
     deadline = t0 + budget_seconds
@@ -132,7 +133,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     summary.canaries_released = release_canaries(conn, actor)
     waiting = reputation.waiting_campaigns(conn)
     if waiting:  # a round whose outcomes stopped coming starts again after the guard's outcome wait
-        reputation.evaluate(conn, waiting, account=reputation.guard_account(conn, d.account))
+        reputation.evaluate(conn, waiting, account=d.account, config=d.guard_config)
 
     def pause_campaign(name: str, reason: str) -> None:
         """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""

@@ -21,9 +21,9 @@ where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::
 -- name: ensure_scopes
 -- A guard row (state ok, not proven) for each scope not seen before, its baseline the counters now; an
 -- existing row is left as it is.
-insert into mail.reputation_guard (scope, name, seen)
-select s.scope, s.name, s.seen
-from unnest(%(scopes)s::text[], %(names)s::text[], %(seen)s::jsonb[]) as s(scope, name, seen)
+insert into mail.reputation_guard (scope, name, seen, delivered_marks)
+select s.scope, s.name, s.seen, s.marks
+from unnest(%(scopes)s::text[], %(names)s::text[], %(seen)s::jsonb[], %(marks)s::jsonb[]) as s(scope, name, seen, marks)
 on conflict (scope, name) do nothing
 
 -- name: lock_scopes
@@ -40,7 +40,8 @@ for update of g
 
 -- name: campaign_counts
 -- The outcome counters now, per campaign (mail.campaign_counts: folded counts plus the unfolded deltas),
--- in the order of `keys`.
+-- in the order of `keys`: the campaigns `names`, or every campaign when `names` is null (the account's
+-- counters are their sum). One pass over the counters and the deltas.
 select x.campaign,
        coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[1]), 0)::bigint,
        coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[2]), 0)::bigint,
@@ -48,18 +49,8 @@ select x.campaign,
        coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[4]), 0)::bigint,
        coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[5]), 0)::bigint
 from mail.campaign_counts x
-where x.campaign = any(%(names)s::text[]) and x.key = any(%(keys)s::text[])
+where (%(names)s::text[] is null or x.campaign = any(%(names)s::text[])) and x.key = any(%(keys)s::text[])
 group by x.campaign
-
--- name: account_counts
--- The same summed over every campaign: the provider account's counters.
-select coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[1]), 0)::bigint,
-       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[2]), 0)::bigint,
-       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[3]), 0)::bigint,
-       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[4]), 0)::bigint,
-       coalesce(sum(x.n) filter (where x.key = (%(keys)s::text[])[5]), 0)::bigint
-from mail.campaign_counts x
-where x.key = any(%(keys)s::text[])
 
 -- name: store
 -- One scope's statistics after an evaluation (its row is locked by lock_scopes); `trip`: it trips now.
