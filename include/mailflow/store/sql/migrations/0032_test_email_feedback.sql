@@ -56,6 +56,7 @@ comment on table mail.test_email is
     'One test email of a scheduled campaign (never a send-log row: no count, no contact policy), written before '
     'its request; the provider''s outcomes of it are matched here by its provider email id or its tag and folded '
     'into the outcome columns (as mail.delivery_status does for send-log rows).';
+comment on column mail.test_email.id is 'Test email id (identity): the test_email_id of its campaign event.';
 comment on column mail.test_email.campaign_id is 'The campaign (mail.campaign.id).';
 comment on column mail.test_email.campaign_event_id is
     'The campaign event test_email recorded when the provider accepted it; null until then (or never: not sent).';
@@ -73,6 +74,16 @@ comment on column mail.test_email.status is
     'refused (the provider refused it), unknown (no answer: it may have been delivered).';
 comment on column mail.test_email.created_at is 'When the row was written, before the request.';
 comment on column mail.test_email.sent_at is 'When the provider''s acceptance was recorded (null: not accepted).';
+comment on column mail.test_email.delivered_at is 'Earliest delivered (or implied by an open or click) time reported.';
+comment on column mail.test_email.hard_bounced_at is 'Earliest permanent bounce reported: the address is suppressed.';
+comment on column mail.test_email.soft_bounced_at is 'Earliest transient or undetermined bounce reported (not suppressed).';
+comment on column mail.test_email.complained_at is 'Earliest spam complaint reported: the address is suppressed.';
+comment on column mail.test_email.failed_at is 'Earliest failed reported (the provider did not send it; alerted).';
+comment on column mail.test_email.delayed_at is 'Earliest delivery_delayed reported.';
+comment on column mail.test_email.suppressed_at is
+    'Earliest report that the address is on the provider''s own suppression list (the address is suppressed).';
+comment on column mail.test_email.first_opened_at is 'Earliest open reported.';
+comment on column mail.test_email.first_clicked_at is 'Earliest click reported.';
 comment on column mail.test_email.outcome is
     'The outcome by precedence, never by arrival order: complained > hard_bounced > suppressed > failed > '
     'delivered > soft_bounced > delayed (mail.delivery_outcome); null: nothing reported yet.';
@@ -96,7 +107,10 @@ create index if not exists test_email_event_test_email_idx on mail.test_email_ev
 
 comment on table mail.test_email_event is
     'Every outcome the provider pushed for a test email (one per svix-id: a replay adds nothing). Appended only.';
+comment on column mail.test_email_event.id is 'Surrogate key, in order of recording.';
 comment on column mail.test_email_event.test_email_id is 'The test email (mail.test_email.id).';
+comment on column mail.test_email_event.provider_message_id is 'The provider''s email id the event is about.';
+comment on column mail.test_email_event.recorded_at is 'When it was recorded here (database clock).';
 comment on column mail.test_email_event.event is
     'sent, delivered, delivery_delayed, bounced, complained, opened, clicked, failed or suppressed.';
 comment on column mail.test_email_event.bounce_type is 'For bounced: Permanent (suppressed), Transient or Undetermined.';
