@@ -13,8 +13,11 @@ Tasks: `plan` -> `send_test_email` -> `approve` -> `provision`.
    recipient (subject and text).
 2. **send_test_email** (only with `test_email_to`): one email through `resend_default` to that
    address, subject `[TEST] ...`, tagged `test`, recorded as the campaign event `test_email` with the
-   provider's id, never a send-log row (no count, no contact policy). Its unsubscribe link is signed
-   for no user. **`dry_run`** skips it and everything after it: a dry run stops after `plan`.
+   provider's id, never a send-log row (no count, no contact policy; a suppressed address gets none).
+   Its unsubscribe link is signed for no user. Its outcomes (delivered, bounced, opened, ...) are
+   recorded on it as the provider's webhooks arrive and listed as `test_emails` in the output of
+   `plan` and `provision` (docs/feedback.md, "Test emails"). **`dry_run`** skips it and everything
+   after it: a dry run stops after `plan`.
 3. **approve**: a Required Action in the UI (Browse -> Required Actions, or the task's page)
    showing the plan, the hold-back and the sample: Approve or Reject. Unanswered after
    `approval_timeout_hours` (default 72) it takes its default, Reject: it expires. A rejection or an

@@ -357,6 +357,10 @@ def test_provision_by_name_with_a_test_email_and_approval(
     assert campaign_db.execute("select status from mail.campaign").fetchone() == ("scheduled",)
     summary = _ti(dr, "provision").xcom_pull(task_ids="provision")
     assert (summary["created"], summary["chunks"], summary["complete"]) == (12, 3, True)
+    # the test email is shown with the provisioning, with whatever outcome its webhooks recorded by then
+    [shown] = summary["test_emails"]
+    assert (shown["provider_id"], shown["status"], shown["to"]) == (test["provider_id"], "sent", "a***@example.com")
+    assert shown["campaign_event_id"] is not None and shown["outcome"] is None  # no webhooks in this emulator
 
 
 @pytest.mark.airflow

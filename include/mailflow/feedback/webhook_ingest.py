@@ -10,6 +10,11 @@ send log yet (the webhook can arrive before the batch answer that stores the id)
 loop every few seconds, and the ``deliverability_feedback`` DAG), and after ``give_up_after`` decides
 it ``unknown_email``, which is alerted with mismatches and failures (:func:`alert_lines`).
 
+An event of a **test email** (a campaign's ``[TEST]`` email, never a send-log row) is matched to it by
+the provider's email id or by our tag ``mailflow_test`` in ``data.tags``
+(:mod:`mailflow.store.test_emails`), recorded on it at once (decided ``test_email``) and never left
+pending, swept again or decided ``unknown_email``; its hard bounce or complaint suppresses the address.
+
 Event types the send log does not track (``email.scheduled``, ``email.received``, contact and domain
 events, anything new) are stored and decided ``ignored``.
 """
@@ -26,6 +31,7 @@ from typing import Any
 
 import psycopg
 
+from mailflow.store import test_emails
 from mailflow.store.outcomes import (
     APPLIED,
     BOUNCE_TYPES,
@@ -86,9 +92,11 @@ class WebhookEvent:
             given = bounce.get("type") if isinstance(bounce, dict) else None
             bounce_type = given if isinstance(given, str) and given in BOUNCE_TYPES else "Undetermined"  # unknown: never a hard bounce
             detail += f" ({bounce_type})"
+        tags = data.get("tags")
+        tag = tags.get(test_emails.TAG_NAME) if isinstance(tags, dict) else None
         return Report(provider_message_id=self.provider_message_id, event=event, recipients=data.get("to"),
                       source="webhook", detail=detail, occurred_at=self.occurred_at, bounce_type=bounce_type,
-                      svix_id=self.svix_id)
+                      svix_id=self.svix_id, tag=tag if isinstance(tag, str) and 0 < len(tag) <= 256 else None)
 
 
 def _clean(value: Any) -> Any:
@@ -158,13 +166,21 @@ class IngestResult:
     campaigns: set[str] = field(default_factory=set)
 
 
-def _expected(event: WebhookEvent, report: Report | None, rows: dict[str, SentEmail]) -> str | None:
-    """The decision applying will make for a new event (None: its email is not in the send log yet)."""
+def _find_tests(conn: psycopg.Connection, reports: Iterable[Report | None],
+                rows: dict[str, SentEmail]) -> test_emails.Found:
+    """The test emails the reports no send-log row has may be about (no such report: no query)."""
+    return test_emails.find(conn, (r for r in reports if r is not None and r.provider_message_id not in rows))
+
+
+def _expected(event: WebhookEvent, report: Report | None, rows: dict[str, SentEmail],
+              tests: test_emails.Found) -> str | None:
+    """The decision applying will make for a new event (None: its email is not known yet)."""
     if report is None:
         return IGNORED
     row = rows.get(report.provider_message_id)
     if row is None:
-        return None
+        test = tests.of(report)
+        return None if test is None else test_emails.expected(report, test)
     if not recipient_matches(report.recipients, row.email):
         return MISMATCH
     return FAILED if report.event == "failed" else APPLIED
@@ -187,26 +203,34 @@ def ingest(conn: psycopg.Connection, events: Sequence[WebhookEvent]) -> IngestRe
     out = IngestResult()
     with conn.transaction():
         rows = find_sent(conn, (r.provider_message_id for r in reports.values() if r is not None))
-        expected = {e.svix_id: _expected(e, reports[e.svix_id], rows) for e in group}
+        tests = _find_tests(conn, reports.values(), rows)
+        expected = {e.svix_id: _expected(e, reports[e.svix_id], rows, tests) for e in group}
         new = {r[0] for r in conn.execute(query("webhooks", "insert_events"), {
             "svix_ids": [e.svix_id for e in group], "types": [e.event_type for e in group],
             "pids": [e.provider_message_id for e in group], "occurred": [e.occurred_at for e in group],
             "payloads": [e.payload_json for e in group], "decisions": [expected[e.svix_id] for e in group],
             "attempts": [1 if expected[e.svix_id] is None else 0 for e in group]}).fetchall()}
         out.duplicates = set(unique) - new
-        to_apply = [r for sid, r in reports.items() if sid in new and r is not None and expected[sid] is not None]
+        fresh = [r for sid, r in reports.items() if sid in new and r is not None and expected[sid] is not None]
+        to_apply = [r for r in fresh if r.provider_message_id in rows]
+        to_test = [(r, t) for r in fresh if r.provider_message_id not in rows and (t := tests.of(r)) is not None]
         for sid in new:
             out.decisions[sid] = expected[sid]
         if to_apply:
             applied = apply_reports(conn, to_apply, rows=rows)
-            _correct(conn, applied.decisions, expected, out)
+            _correct(conn, ((d.report.svix_id, d.decision) for d in applied.decisions), expected, out)
             out.suppressed, out.campaigns = applied.suppressed, applied.campaigns
+        if to_test:
+            tested = test_emails.apply_reports(conn, to_test)
+            _correct(conn, ((r.svix_id, d) for (r, _), d in zip(to_test, tested.decisions, strict=True)),
+                     expected, out)
+            out.suppressed += tested.suppressed
     return out
 
 
-def _correct(conn: psycopg.Connection, decisions: Iterable[Any], expected: dict[str, str | None],
+def _correct(conn: psycopg.Connection, decisions: Iterable[tuple[str | None, str]], expected: dict[str, str | None],
              out: IngestResult) -> None:
-    fix = {d.report.svix_id: d.decision for d in decisions if d.decision != expected.get(d.report.svix_id)}
+    fix = {sid: decision for sid, decision in decisions if sid is not None and decision != expected.get(sid)}
     for sid, decision in fix.items():
         out.decisions[sid] = decision
     if fix:
@@ -216,14 +240,16 @@ def _correct(conn: psycopg.Connection, decisions: Iterable[Any], expected: dict[
 @dataclass
 class ApplySummary:
     """Counts of one :func:`apply_pending` sweep (events): ``taken`` = pending rows looked at,
-    ``applied`` (including failed and duplicate_outcome), ``mismatched``, ``failed``, ``ignored``,
-    ``still_pending`` (email still unknown, tried again later), ``unknown_email`` (given up),
-    ``suppressed`` (new suppressions) and the ``campaigns`` touched."""
+    ``applied`` (including failed, duplicate_outcome and test emails), ``mismatched``, ``failed``,
+    ``test_emails`` (applied to a test email), ``ignored``, ``still_pending`` (email still unknown,
+    tried again later), ``unknown_email`` (given up), ``suppressed`` (new suppressions) and the
+    ``campaigns`` touched (test emails touch none: they are in no reputation rate)."""
 
     taken: int = 0
     applied: int = 0
     mismatched: int = 0
     failed: int = 0
+    test_emails: int = 0
     ignored: int = 0
     still_pending: int = 0
     unknown_email: int = 0
@@ -240,9 +266,11 @@ class ApplySummary:
 def apply_pending(conn: psycopg.Connection, limit: int = 500, *,
                   give_up_after: timedelta = GIVE_UP_AFTER) -> ApplySummary:
     """Apply inbox rows still waiting for their email, in one transaction: those whose provider id the
-    send log has now are applied (:func:`mailflow.store.outcomes.apply_reports`); the others count an
-    attempt, and those received more than ``give_up_after`` ago are decided ``unknown_email`` (alerted
-    by :func:`alert_lines`). Safe to run concurrently (rows are taken FOR UPDATE SKIP LOCKED).
+    send log has now are applied (:func:`mailflow.store.outcomes.apply_reports`), those of a test email
+    are recorded on it (:func:`mailflow.store.test_emails.apply_reports`, whatever their age); the
+    others count an attempt, and those received more than ``give_up_after`` ago are decided
+    ``unknown_email`` (alerted by :func:`alert_lines`). Safe to run concurrently (rows are taken FOR
+    UPDATE SKIP LOCKED).
 
     :param conn: psycopg 3 connection (autocommit: this function opens the transaction).
     :param limit: rows per call at most (fewest attempts first, then the oldest).
@@ -264,16 +292,21 @@ def apply_pending(conn: psycopg.Connection, limit: int = 500, *,
             events.append((WebhookEvent(str(sid), str(etype), pid, occurred, obj, ""), bool(expired)))
         reports = {e.svix_id: e.report() for e, _ in events}
         rows = find_sent(conn, (r.provider_message_id for r in reports.values() if r is not None))
+        tests = _find_tests(conn, reports.values(), rows)
         decided: dict[str, str] = {}
         retry: list[str] = []
         to_apply: list[Report] = []
+        to_test: list[tuple[Report, test_emails.TestEmail]] = []
         for e, expired in events:
             r = reports[e.svix_id]
+            test = tests.of(r) if r is not None and r.provider_message_id not in rows else None
             if r is None:
                 decided[e.svix_id] = IGNORED
                 summary.ignored += 1
             elif r.provider_message_id in rows:
                 to_apply.append(r)
+            elif test is not None:
+                to_test.append((r, test))
             elif expired:
                 decided[e.svix_id] = UNKNOWN
                 summary.unknown_email += 1
@@ -291,6 +324,18 @@ def apply_pending(conn: psycopg.Connection, limit: int = 500, *,
                     summary.applied += 1
                     summary.failed += d.decision == FAILED
             summary.suppressed, summary.campaigns = applied.suppressed, applied.campaigns
+        if to_test:
+            tested = test_emails.apply_reports(conn, to_test)
+            for (r, _), decision in zip(to_test, tested.decisions, strict=True):
+                assert r.svix_id is not None
+                decided[r.svix_id] = decision
+                if decision == MISMATCH:
+                    summary.mismatched += 1
+                else:
+                    summary.applied += 1
+                    summary.failed += decision == FAILED
+                    summary.test_emails += 1
+            summary.suppressed += tested.suppressed
         if decided:
             conn.execute(query("webhooks", "set_decisions"), {
                 "svix_ids": list(decided), "decisions": list(decided.values())})
@@ -305,11 +350,17 @@ def alert_lines(conn: psycopg.Connection, limit: int = 1000) -> tuple[list[str],
     """The decisions a person must see that no alert named yet: recipient mismatches, provider
     failures, emails never found. Returns ``(lines, svix_ids)``; call :func:`mark_alerted` with the
     ids in the same transaction after the alert went out (rows are locked, SKIP LOCKED, until then).
-    Each line names the svix-id, event type, provider id, send-log row and masked address."""
+    Each line names the svix-id, event type, provider id, the send-log row (or the test email and its
+    campaign) and the masked address."""
     rows = conn.execute(query("webhooks", "unalerted_decisions"), {"limit": int(limit)}).fetchall()
     lines = []
-    for sid, etype, pid, decision, _received, log_id, address in rows:
-        where = f"send_log.id={log_id} to={mask_email(str(address))}" if log_id is not None else "no send-log row"
+    for sid, etype, pid, decision, _received, log_id, address, test_id, test_campaign, test_to in rows:
+        if log_id is not None:
+            where = f"send_log.id={log_id} to={mask_email(str(address))}"
+        elif test_id is not None:
+            where = f"test email {test_id} of campaign {test_campaign} to={test_to}"
+        else:
+            where = "no send-log row"
         lines.append(f"webhook {sid} ({etype}) provider id={pid} {where}: {decision}")
     return lines, [str(r[0]) for r in rows]
 

@@ -18,7 +18,9 @@
    retries for about a day). Unknown event types are stored, decided ``ignored``, answered 200.
 4. **Pending**: an event whose email id is not in the send log yet is stored and answered 200; the
    writer's sweep applies it once the id is there (every few seconds), the ``deliverability_feedback``
-   DAG too (:func:`apply_pending`); after 72 h it is decided ``unknown_email`` and alerted.
+   DAG too (:func:`apply_pending`); after 72 h it is decided ``unknown_email`` and alerted. An event of
+   a campaign's test email (matched by its provider id or our ``mailflow_test`` tag,
+   :mod:`mailflow.store.test_emails`) is never pending: it is recorded on the test email at once.
 
 Secrets: one or more ``whsec_...`` (rotation: a request is genuine if any verifies), from the Airflow
 connection ``mail_webhook`` (password) in the API server, from ``MAILFLOW_WEBHOOK_SECRETS`` standalone.

@@ -136,8 +136,9 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
     local windows and weekdays), what the contact policy would hold back now
     (:func:`mailflow.sources.scheduled.preview.policy_holdback`) and a sample email for the first
     recipient (subject and text). Writes nothing. Returns ``{"campaign_id", "campaign", "status",
-    "plan", "holdback", "sample", "approval_text"}`` (``approval_text``: the Markdown the approval
-    shows).
+    "plan", "holdback", "sample", "test_emails", "approval_text"}`` (``test_emails``: the test
+    emails sent so far with their outcomes, :func:`mailflow.store.test_emails.of_campaign`;
+    ``approval_text``: the Markdown the approval shows).
 
     :raises AirflowFailException: for an unknown conf key, an unknown name, a cancelled or completed
         campaign, or a stored definition that cannot be provisioned (a missing template or
@@ -148,6 +149,7 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
     from mailflow.sources.scheduled.planning import plan_spec
     from mailflow.sources.scheduled.preview import policy_holdback, sample_email
     from mailflow.sources.scheduled.provisioning import provision
+    from mailflow.store import test_emails
     from mailflow.store.migrate import require_current
 
     check_run_conf(context)
@@ -163,6 +165,7 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
             plan = provision(conn, int(c["id"]), now=now, dry_run=True, folder=folder).as_dict()
             holdback = policy_holdback(conn, int(c["id"]), now=now, folder=folder).as_dict()
             sample = sample_email(conn, int(c["id"]), renderer_for(folder), folder)
+            tests = test_emails.of_campaign(conn, int(c["id"]))
         except (ValueError, LookupError) as exc:
             raise _fail(f"campaign {c['name']!r}: its stored definition cannot be provisioned: {exc}") from None
     plan["first_send_local"] = _local(plan["first_send"], spec.zone)
@@ -171,7 +174,8 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
     plan["weekdays"] = sorted(spec.weekdays)
     out = {"campaign_id": int(c["id"]), "campaign": c["name"], "status": c["status"], "plan": plan,
            "holdback": holdback,
-           "sample": None if sample is None else {k: sample[k] for k in ("user_id", "subject", "text")}}
+           "sample": None if sample is None else {k: sample[k] for k in ("user_id", "subject", "text")},
+           "test_emails": tests}
     out["approval_text"] = approval_text(out)
     log.info("plan of %s: %s", c["name"], json.dumps({k: v for k, v in out.items() if k != "approval_text"},
                                                       default=str))
@@ -287,13 +291,16 @@ def record_decision(campaign: str, approved: bool, timed_out: bool, responder: A
 def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """``provision_campaign``'s last task, run only when the approval said Approve: provision the
     campaign named by Param ``campaign`` (``chunk_size`` recipients per transaction; a draft
-    becomes ``scheduled``). Returns the :class:`ProvisionSummary` as a dict.
+    becomes ``scheduled``). Returns the :class:`ProvisionSummary` as a dict, with ``test_emails``:
+    the campaign's test emails and the outcomes recorded for them by then
+    (:func:`mailflow.store.test_emails.of_campaign`).
 
     :raises AirflowFailException: for an unknown name or a stored definition that cannot be
         provisioned (not retried).
     """
     from mailflow.orchestration.tasks import campaign_folder, run_context, send_log_connection
     from mailflow.sources.scheduled.provisioning import provision
+    from mailflow.store import test_emails
     from mailflow.store.migrate import require_current
 
     check_run_conf(context)
@@ -306,7 +313,9 @@ def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
                                 run=run_context(context), folder=campaign_folder(context))
         except ValueError as exc:
             raise _fail(f"campaign {c['name']!r}: {exc}") from None
-    out = summary.as_dict()
+        # what became of the test emails the approver saw (their webhooks arrive while the approval waits)
+        tests = test_emails.of_campaign(conn, int(c["id"]))
+    out = {**summary.as_dict(), "test_emails": tests}
     log.info("provisioning summary: %s", json.dumps(out))
     return out
 

@@ -88,8 +88,8 @@ def sweep_task(conn: psycopg.Connection, params: Mapping[str, Any]) -> dict[str,
 
     limit = int(params.get("sweep_limit", 5000))
     give_up = timedelta(hours=float(params.get("give_up_hours", 72)))
-    total: dict[str, Any] = {"taken": 0, "applied": 0, "mismatched": 0, "failed": 0, "ignored": 0,
-                             "still_pending": 0, "unknown_email": 0, "suppressed": 0}
+    total: dict[str, Any] = {"taken": 0, "applied": 0, "mismatched": 0, "failed": 0, "test_emails": 0,
+                             "ignored": 0, "still_pending": 0, "unknown_email": 0, "suppressed": 0}
     campaigns: set[str] = set()
     started = time.monotonic()
     while total["taken"] < limit:

@@ -83,6 +83,8 @@ class Report:
     :ivar bounce_type: Permanent, Transient or Undetermined for a webhook's ``bounced``; None for a
         poll (whose ``bounced`` is permanent) and for other events.
     :ivar svix_id: the webhook's svix-id (None for a poll).
+    :ivar tag: our test-email tag id the provider echoed (``data.tags.mailflow_test``,
+        :data:`mailflow.store.test_emails.TAG_NAME`); None for every other email and for a poll.
     """
 
     provider_message_id: str
@@ -93,6 +95,7 @@ class Report:
     occurred_at: datetime | None = None
     bounce_type: str | None = None
     svix_id: str | None = None
+    tag: str | None = None
 
     def suppression_source(self) -> str | None:
         """``bounce`` / ``complaint`` / ``provider_suppressed`` if this report suppresses the address, else None."""

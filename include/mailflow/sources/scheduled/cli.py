@@ -29,6 +29,7 @@ from mailflow.sources.scheduled.campaign_db import CampaignStateError, json_defa
 from mailflow.sources.scheduled.control import cancel, complete, pause, resume, status
 from mailflow.sources.scheduled.provisioning import provision
 from mailflow.sources.scheduled.spec import create_campaign, load_spec, resolve_campaign, update_draft
+from mailflow.store import test_emails
 
 #: ``ctx.meta`` keys (click shares ``meta`` with every nested context): the innermost ``--dsn`` /
 #: ``--actor`` given wins, so ``mailflow --dsn X campaign status N`` and ``... status N --dsn X`` agree
@@ -195,9 +196,12 @@ def update_command(conn: psycopg.Connection, actor: str | None, spec: Path, name
 @actor_option
 @_json_command
 def provision_command(conn: psycopg.Connection, actor: str | None, name: str, dry_run: bool, chunk: int) -> Any:
-    """Create the campaign's planned rows (one pending row per recipient), or plan them (--dry-run)."""
-    return provision(conn, _campaign_id(conn, name), now=datetime.now(UTC), chunk=chunk, dry_run=dry_run,
-                     run=RunContext(task_id="cli")).as_dict()
+    """Create the campaign's planned rows (one pending row per recipient), or plan them (--dry-run);
+    with the campaign's test emails and their outcomes (``test_emails``)."""
+    cid = _campaign_id(conn, name)
+    out = provision(conn, cid, now=datetime.now(UTC), chunk=chunk, dry_run=dry_run,
+                    run=RunContext(task_id="cli")).as_dict()
+    return {**out, "test_emails": test_emails.of_campaign(conn, cid)}
 
 
 def _control(verb: str, action: Callable[..., Any], doc: str) -> None:

@@ -22,7 +22,7 @@ from mailflow.sources.scheduled.campaign_db import (
     used_on_day,
 )
 from mailflow.sources.scheduled.planning import plan_after, plan_spec
-from mailflow.store import reputation
+from mailflow.store import reputation, test_emails
 from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
@@ -160,15 +160,17 @@ def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor:
 
 def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     """A campaign's settings, checkpoint and rows by state, the next due time and the send
-    lateness (``sent_at - scheduled_at``) p50/p99 in seconds, and for a paused campaign
-    ``paused_reason`` (why the dispatcher paused it, or None). Datetimes as ISO text."""
+    lateness (``sent_at - scheduled_at``) p50/p99 in seconds, for a paused campaign
+    ``paused_reason`` (why the dispatcher paused it, or None), and ``test_emails``: its test emails
+    with their outcomes (:func:`mailflow.store.test_emails.of_campaign`). Datetimes as ISO text."""
     with conn.transaction():
         c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         counts = ScheduledStore(conn).campaign_counts(c["name"]) or {}
         reason = ScheduledStore(conn).pause_reason(campaign_id) if c["status"] == "paused" else None
-    out = {**c, "rows": counts, "paused_reason": reason}
+        tests = test_emails.of_campaign(conn, campaign_id)
+    out = {**c, "rows": counts, "paused_reason": reason, "test_emails": tests}
     return json.loads(json.dumps(out, default=json_default))
 
 

@@ -43,11 +43,14 @@ update mail.webhook_event set attempts = attempts + 1 where svix_id = any(%(svix
 
 -- name: unalerted_decisions
 -- Decisions a person must see (recipient mismatches, provider failures, emails never found) not alerted yet,
--- oldest first (webhook_event_alert_idx), with the send-log row the provider id points at (if any) for the
--- alert line. FOR UPDATE OF w SKIP LOCKED: two alerting runs never report the same row.
-select w.svix_id, w.event_type, w.provider_message_id, w.decision, w.received_at, l.id, l.email
+-- oldest first (webhook_event_alert_idx), with the send-log row or the test email the provider id points at
+-- (if any) for the alert line. FOR UPDATE OF w SKIP LOCKED: two alerting runs never report the same row.
+select w.svix_id, w.event_type, w.provider_message_id, w.decision, w.received_at, l.id, l.email,
+       t.id, c.name, t.to_masked
 from mail.webhook_event w
 left join mail.send_log l on l.provider_message_id = w.provider_message_id
+left join mail.test_email t on t.provider_message_id = w.provider_message_id
+left join mail.campaign c on c.id = t.campaign_id
 where w.alerted_at is null and w.decision in ('recipient_mismatch', 'failed', 'unknown_email')
 order by w.received_at
 limit %(limit)s
