@@ -606,3 +606,31 @@ def test_exposure_bound_the_dispatcher_claims_at_most_e_before_any_outcome(rig: 
     assert rig.dispatch().sent == 100
     assert len(rig.emulator.read_outbox()) == 200
     assert rig.campaign_row(cid)["status"] == "scheduled"
+
+
+def test_exposure_concurrent_senders_share_one_round_and_never_deadlock(db: psycopg.Connection, db_dsn: str) -> None:
+    # four senders admit and give back at once (as four lifecycle processes do): the round counts every
+    # grant once, never exceeds E, and no lock order makes two of them wait on each other
+    cfg = dataclasses.replace(CONFIG, exposure=3000)
+    granted: list[int] = []
+    errors: list[BaseException] = []
+
+    def sender() -> None:
+        try:
+            with psycopg.connect(db_dsn, autocommit=True) as conn:
+                for _ in range(25):
+                    got = reputation.admit(conn, "welcome", 100, account=ACCOUNT, config=cfg).granted
+                    reputation.refund(conn, "welcome", got // 2, account=ACCOUNT)
+                    granted.append(got - got // 2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sender) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    kept = guard(db, "campaign", "welcome")["round_sent"]
+    assert sum(granted) == kept == guard(db, "account", ACCOUNT)["round_sent"]  # every grant counted once
+    assert 2900 <= kept <= 3000  # 4 x 25 x 50 = 5,000 asked for: the round is full, never over E

@@ -82,11 +82,19 @@ set round_sent = round_sent + %(n)s, last_grant_at = now(), waiting = %(waiting)
 where scope = %(scope)s and name = %(name)s and not proven
 
 -- name: refund
--- Give back emails granted but not sent, in the campaign's and the account's rounds.
-update mail.reputation_guard
-set round_sent = greatest(0, round_sent - %(n)s), waiting = false
-where ((scope = 'campaign' and name = %(campaign)s) or (scope = 'account' and name = %(account)s))
-  and not proven and round_sent > 0
+-- Give back emails granted but not sent, in the campaign's and the account's rounds. The rows are locked
+-- first in lock_scopes' order (account, then campaign): an UPDATE of both would lock them in scan order
+-- and could deadlock with a concurrent admit.
+with locked as materialized (
+    select g.scope, g.name from mail.reputation_guard g
+    where (g.scope = 'campaign' and g.name = %(campaign)s) or (g.scope = 'account' and g.name = %(account)s)
+    order by g.scope = 'account' desc, g.name
+    for update of g
+)
+update mail.reputation_guard g
+set round_sent = greatest(0, g.round_sent - %(n)s), waiting = false
+from locked l
+where g.scope = l.scope and g.name = l.name and not g.proven and g.round_sent > 0
 
 -- name: waiting
 -- The scopes whose exposure round is spent (the dispatcher evaluates them at each run).
