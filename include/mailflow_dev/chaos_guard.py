@@ -15,7 +15,8 @@ arrives long after the senders have moved on, and out of order.
 * Reported per scenario: the emails sent (accepted by the provider) when the guard tripped and in all, E,
   and whether the total stayed within E. The healthy pair runs the lifecycle source twice for the same
   budget over a healthy audience (0.5 % hard bounces, no complaints): once with the ramp (fresh scopes)
-  and once without (E above the audience), and reports the throughput the ramp cost.
+  and once without (E above the audience); the ramp's cost is the share of the run the sender spent
+  waiting for outcomes (the two totals are printed too; on a shared machine they differ by more).
 
 Exit status 1 if a bad audience sent more than E or was never stopped, or the ramp cost 5 % or more.
 """
@@ -26,6 +27,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import sys
 import tempfile
 import time
@@ -81,7 +83,8 @@ def _renderer() -> Any:
     return Renderer(signer_from_secret(UNSUBSCRIBE_SECRET), "https://mail.example.com", "https://app.example.com")
 
 
-def _lifecycle_sender(dsn: str, base_url: str, n: int, budget: float, env: dict[str, str], barrier: Any) -> None:
+def _lifecycle_sender(dsn: str, base_url: str, n: int, budget: float, env: dict[str, str], barrier: Any,
+                      waited: Any) -> None:
     os.environ.update(env)
     from mailflow.sources.lifecycle import run_lifecycle
     from mailflow.store.send_log import PostgresStore
@@ -90,12 +93,14 @@ def _lifecycle_sender(dsn: str, base_url: str, n: int, budget: float, env: dict[
     run = RunContext(dag_id="lifecycle_emails", run_id=f"guard-chaos-{n}", task_id="send_campaigns")
     barrier.wait()
     with psycopg.connect(dsn, autocommit=True) as conn:
-        run_lifecycle(PostgresStore(conn), _client(dsn, base_url), _renderer(), [_campaign()],
-                      DataInterval(end - timedelta(hours=1), end), run=run, chunk_size=100, budget_seconds=budget,
-                      pipelined=True)
+        [summary] = run_lifecycle(PostgresStore(conn), _client(dsn, base_url), _renderer(), [_campaign()],
+                                  DataInterval(end - timedelta(hours=1), end), run=run, chunk_size=100,
+                                  budget_seconds=budget, pipelined=True)
+    waited.put(summary.waited)
 
 
-def _dispatcher(dsn: str, base_url: str, n: int, budget: float, env: dict[str, str], barrier: Any) -> None:
+def _dispatcher(dsn: str, base_url: str, n: int, budget: float, env: dict[str, str], barrier: Any,
+                waited: Any) -> None:
     os.environ.update(env)
     from mailflow.sources import scheduled
 
@@ -158,9 +163,10 @@ def run_scenario(admin: str, *, kind: str, audience: str, senders: int, users: i
                                               **AUDIENCES[audience]) as emu:
             ctx = multiprocessing.get_context("spawn")
             barrier = ctx.Barrier(senders + 1)
+            waited = ctx.Queue()
             target = _lifecycle_sender if kind == "lifecycle" else _dispatcher
-            procs = [ctx.Process(target=target, args=(dsn, emu.base_url, i, budget, env, barrier), daemon=True)
-                     for i in range(senders)]
+            procs = [ctx.Process(target=target, args=(dsn, emu.base_url, i, budget, env, barrier, waited),
+                                 daemon=True) for i in range(senders)]
             for p in procs:
                 p.start()
             barrier.wait()
@@ -168,6 +174,12 @@ def run_scenario(admin: str, *, kind: str, audience: str, senders: int, users: i
             for p in procs:
                 p.join(budget + 120)
             seconds = time.monotonic() - t0
+            waits: list[float] = []
+            for _ in range(senders if kind == "lifecycle" else 0):
+                try:
+                    waits.append(float(waited.get(timeout=5)))
+                except queue.Empty:  # a sender that failed reports nothing (failed_processes says so)
+                    break
         with psycopg.connect(dsn, autocommit=True) as conn:
             campaign = LIFECYCLE_NAME if kind == "lifecycle" else SCHEDULED_NAME
             sent = int(conn.execute("select count(*) from mail.send_log where campaign = %s and provider_message_id"
@@ -182,6 +194,7 @@ def run_scenario(admin: str, *, kind: str, audience: str, senders: int, users: i
         return {"kind": kind, "audience": audience, "senders": senders, "exposure": exposure if ramp else None,
                 "sent_before_trip": before, "sent": sent, "tripped": tripped_at is not None,
                 "reason": reason[0] if reason else None, "seconds": round(seconds, 1),
+                "waited_for_outcomes_seconds": round(sum(waits), 1),
                 "failed_processes": sum(1 for p in procs if p.exitcode != 0)}
     finally:
         devenv.drop_database(admin, name)
@@ -233,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                                  ramp=ramp)
                 print(json.dumps(r), flush=True)
                 healthy["with_ramp" if ramp else "without_ramp"] = r
-            cost = 1 - healthy["with_ramp"]["sent"] / max(1, healthy["without_ramp"]["sent"])
+            # the ramp's cost: the share of the run the sender waited for outcomes (the two runs' totals
+            # are reported too, but on a shared machine they differ by more than the ramp)
+            cost = healthy["with_ramp"]["waited_for_outcomes_seconds"] / args.healthy_budget
             healthy["ramp_cost"] = round(cost, 4)
             healthy["ok"] = cost < 0.05 and not healthy["with_ramp"]["tripped"]
     finally:
@@ -247,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{'yes' if r['tripped'] else 'no':>8}  {'ok' if r['ok'] else 'VIOLATED'}")
     if healthy:
         w, wo = healthy["with_ramp"], healthy["without_ramp"]
-        print(f"healthy lifecycle x1, {args.healthy_budget:.0f} s: {w['sent']} sent with the ramp, {wo['sent']} "
-              f"without: the ramp cost {healthy['ramp_cost'] * 100:.1f}% ({'ok' if healthy['ok'] else 'VIOLATED'})")
+        print(f"healthy lifecycle x1, {args.healthy_budget:.0f} s: {w['sent']} sent with the ramp (waited "
+              f"{w['waited_for_outcomes_seconds']} s for outcomes), {wo['sent']} without: the ramp cost "
+              f"{healthy['ramp_cost'] * 100:.1f}% of the run ({'ok' if healthy['ok'] else 'VIOLATED'})")
     bad = [r for r in results if not r["ok"]] + ([healthy] if healthy and not healthy["ok"] else [])
     print("reputation guard at full speed: " + ("ALL OK" if not bad else f"{len(bad)} VIOLATED"))
     return 1 if bad else 0
