@@ -38,10 +38,11 @@ lint: venv       ## ruff (incl. Airflow AIR rules), the import contracts (pyproj
 bench: venv      ## benchmarks against a real Postgres and the emulator (not part of `make test`)
 	$(PY) -m bench
 
-chaos: venv      ## 200 kills of sender/dispatcher/reconciler under every provider fault kind (CHAOS_ARGS="--kills N --dsn ..."); then the contact-policy race (CONTACT_CHAOS_ARGS); then 30 kills of the webhook receiver under every webhook fault (FEEDBACK_CHAOS_ARGS); exit 1 if an invariant breaks
+chaos: venv      ## 200 kills of sender/dispatcher/reconciler under every provider fault kind (CHAOS_ARGS="--kills N --dsn ..."); then the contact-policy race (CONTACT_CHAOS_ARGS); then 30 kills of the webhook receiver under every webhook fault (FEEDBACK_CHAOS_ARGS); then bad audiences at full speed against the reputation guard (GUARD_CHAOS_ARGS); exit 1 if an invariant breaks
 	$(PY) -m mailflow_dev.chaos $(CHAOS_ARGS)
 	$(PY) -m mailflow_dev.contact_chaos $(CONTACT_CHAOS_ARGS)
 	$(PY) -m mailflow_dev.chaos_feedback $(FEEDBACK_CHAOS_ARGS)
+	$(PY) -m mailflow_dev.chaos_guard $(GUARD_CHAOS_ARGS)
 
 psql: venv       ## open the demo's send log in psql (starts the embedded server if needed)
 	$(PY) scripts/psql.py
