@@ -74,3 +74,16 @@ comment on column mail.reputation_guard.awaiting is 'Sent emails without a final
 comment on column mail.reputation_guard.sample is 'Emails with an outcome since the scope''s baseline (first evaluation or resume).';
 comment on column mail.reputation_guard.hard_bounce_rate is 'Hard bounces / emails with an outcome since the baseline (fraction 0..1).';
 comment on column mail.reputation_guard.complaint_rate is 'Complaints / delivered emails since the baseline (fraction 0..1).';
+comment on column mail.reputation_guard.seen is 'The outcome counters (mail.campaign_counts) at the last evaluation: what the next one adds is the gain since.';
+comment on column mail.reputation_guard.delivered_marks is 'Marks [epoch seconds, delivered since the baseline] for the complaint lag: the lag-average of the delivered count.';
+comment on column mail.reputation_guard.evidence is 'The complaint test''s trials at the last evaluation: delivered emails weighed by the part of the complaint lag they lived.';
+comment on column mail.reputation_guard.cum_outcomes is 'Emails with a final outcome since the baseline.';
+comment on column mail.reputation_guard.cum_hard is 'Hard bounces since the baseline.';
+comment on column mail.reputation_guard.cum_complaints is 'Complaints since the baseline.';
+comment on column mail.reputation_guard.cum_delivered is 'Delivered emails since the baseline.';
+comment on column mail.reputation_guard.round_outcomes is 'The outcome count when the current exposure round started (it ends when as many more arrived as it sent).';
+comment on column mail.reputation_guard.round_started_at is 'When the current exposure round started (null: none running).';
+comment on column mail.reputation_guard.last_grant_at is 'The last grant of the exposure bound (a round without outcomes ends an outcome wait after it).';
+comment on column mail.reputation_setting.account is 'The provider account (the account scope''s name).';
+comment on column mail.reputation_setting.updated_at is 'When the settings were last changed.';
+comment on column mail.reputation_setting.updated_by is 'Who changed them (mailflow reputation set --by).';
