@@ -71,8 +71,9 @@ class DispatchSummary:
     canaries_released: list[str] = field(default_factory=list)
     #: campaigns that had more rows due than their per-day cap allowed: pending rows re-planned from now
     replanned: dict[str, int] = field(default_factory=dict)
-    #: campaigns held at the end of the call, and why (``holds.campaign_holds``): name -> hold as a dict
-    held: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: every scheduled or paused campaign at the end of the call: name -> why it is held
+    #: (``holds.Hold.as_dict``: kind, reason, ...), or None when it sends as planned
+    held: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""

@@ -20,6 +20,7 @@ from mailflow.sources.scheduled.campaign_db import (
     lock_campaign,
     record_event,
 )
+from mailflow.sources.scheduled.holds import campaign_holds
 from mailflow.sources.scheduled.replan import replan_locked, replan_overdue
 from mailflow.store import reputation
 from mailflow.store.scheduled import ScheduledStore
@@ -152,15 +153,19 @@ def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor:
 
 def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     """A campaign's settings, checkpoint and rows by state, the next due time and the send
-    lateness (``sent_at - scheduled_at``) p50/p99 in seconds, and for a paused campaign
-    ``paused_reason`` (why the dispatcher paused it, or None). Datetimes as ISO text."""
+    lateness (``sent_at - scheduled_at``) p50/p99 in seconds, for a paused campaign
+    ``paused_reason`` (why it was paused, or None), and ``hold``: why a scheduled or paused campaign
+    does not send as planned (:class:`~mailflow.sources.scheduled.holds.Hold` as a dict: ``kind``
+    paused / guard_account / guard_campaign / canary, ``reason``, ``since`` and the canary's counts),
+    or None when it sends as planned. Datetimes as ISO text."""
     with conn.transaction():
         c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         counts = ScheduledStore(conn).campaign_counts(c["name"]) or {}
         reason = ScheduledStore(conn).pause_reason(campaign_id) if c["status"] == "paused" else None
-    out = {**c, "rows": counts, "paused_reason": reason}
+        hold = campaign_holds(conn, c["name"]).get(c["name"])
+    out = {**c, "rows": counts, "paused_reason": reason, "hold": hold.as_dict() if hold else None}
     return json.loads(json.dumps(out, default=json_default))
 
 

@@ -28,6 +28,7 @@ from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import actor_name
 from mailflow.sources.scheduled.claiming import Claim, Dispatcher, DispatchSummary
 from mailflow.sources.scheduled.control import complete, hold
+from mailflow.sources.scheduled.holds import hold_states
 from mailflow.sources.scheduled.replan import replan_overdue
 from mailflow.store import reputation
 from mailflow.store.scheduled import ScheduledStore
@@ -278,6 +279,11 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         finally:
             pipe.close()
     summary.completed = complete(conn, actor=actor_name(run, "dispatcher"))
+    with conn.transaction():  # why each campaign that does not send is held (the metrics' gauges)
+        summary.held = hold_states(conn)
+    for name, why in summary.held.items():
+        if why is not None:
+            log.info("campaign %s held (%s): %s", name, why["kind"], why["reason"])
     summary.seconds = clock.monotonic() - t0
     log.info("dispatch: %s", summary.as_dict())
     if breaker.opened_by_run is not None:

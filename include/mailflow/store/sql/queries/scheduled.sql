@@ -468,6 +468,57 @@ where campaign_id = %(id)s and to_status = 'paused'
 order by id desc
 limit 1
 
+-- name: campaign_holds
+-- Why each scheduled or paused campaign (or only `name`) does not send as planned, read for
+-- `mailflow campaign status`, the progress page and the dispatcher's metrics: its last pause event (a
+-- paused campaign: who paused it and why; the reputation guard's pause names the scope), the tripped
+-- guard rows that hold it (the account's, the campaign's own: the claim statements hold a tripped
+-- scope's campaigns whatever their status), and for a canary not released yet its canary rows (open,
+-- deferred by the contact policy, sent, with an outcome; the release rule's inputs, as
+-- release_canaries counts them). Each lateral read is gated by its own condition (a one-time filter),
+-- and the canary rows are one range of send_log_campaign_user_uq (see release_canaries), so a call costs
+-- a few index reads per campaign whatever the send log's size.
+select c.id, c.name, c.status, c.emails_per_day,
+       p.actor as paused_by, p.reason as paused_reason, p.scope as paused_scope, p.at as paused_at,
+       ga.name as account, ga.reason as account_reason, ga.tripped_at as account_tripped_at,
+       gc.reason as campaign_reason, gc.tripped_at as campaign_tripped_at,
+       c.canary_share, c.canary_last_id, c.canary_min_outcome_share, c.canary_max_wait,
+       greatest(c.provisioned_at, c.plan_start) as canary_started,
+       k.canary_rows, k.canary_open, k.canary_deferred, k.canary_sent, k.canary_with_outcome, k.canary_last_sent
+from mail.campaign c
+left join lateral (select e.actor, e.detail->>'reason' as reason, e.detail->>'scope' as scope, e.at
+                   from mail.campaign_event e
+                   where c.status = 'paused' and e.campaign_id = c.id and e.to_status = 'paused'
+                   order by e.id desc limit 1) as p on true
+left join lateral (select g.name, g.reason, g.tripped_at from mail.reputation_guard g
+                   where g.state = 'tripped' and g.scope = 'account'
+                   order by g.tripped_at, g.name limit 1) as ga on true
+left join mail.reputation_guard gc on gc.state = 'tripped' and gc.scope = 'campaign' and gc.name = c.name
+left join lateral (
+    select count(*) as canary_rows,
+           count(*) filter (where l.status = 'sending'
+                               or (l.status = 'pending' and not (starts_with(l.error, 'contact policy:')
+                                                                 and l.scheduled_at > now()))) as canary_open,
+           count(*) filter (where l.status = 'pending' and starts_with(l.error, 'contact policy:')
+                              and l.scheduled_at > now()) as canary_deferred,
+           count(*) filter (where l.status = 'sent') as canary_sent,
+           count(*) filter (where l.status = 'sent' and ds.outcome is not null) as canary_with_outcome,
+           max(l.sent_at) as canary_last_sent
+    from mail.send_log l
+    left join mail.delivery_status ds on ds.send_log_id = l.id
+    where c.canary_share is not null and c.canary_last_id is not null and c.canary_released_at is null
+      and l.campaign = c.name and l.id <= c.canary_last_id and l.released_at is null and l.status <> 'holdout'
+      and l.user_id <= (select m.user_id from mail.send_log m where m.id = c.canary_last_id)
+) as k on c.canary_share is not null and c.canary_last_id is not null and c.canary_released_at is null
+where c.status in ('scheduled', 'paused') and (%(name)s::text is null or c.name = %(name)s)
+  and (c.status = 'paused' or ga.name is not null or gc.name is not null
+       or (c.canary_share is not null and c.canary_released_at is null))
+order by c.name
+
+-- name: campaigns_sending
+-- The names of the scheduled and paused campaigns (the ones a hold can concern), for the metrics.
+select name from mail.campaign where status in ('scheduled', 'paused') order by name
+
 -- name: canaries_waiting
 -- Campaigns whose canary is fixed and not released yet (the dispatcher evaluates their reputation
 -- before it decides to release them).
