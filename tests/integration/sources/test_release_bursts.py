@@ -36,8 +36,8 @@ from mailflow.sources import scheduled
 from mailflow.sources.scheduled import DispatchSummary
 from mailflow.sources.scheduled.cli import campaign as campaign_cli
 from mailflow.sources.scheduled.control import resume_reputation
-from mailflow.sources.scheduled.planning import day_bounds, plan_after, plan_spec
 from mailflow.sources.scheduled.holds import HOLD_KINDS
+from mailflow.sources.scheduled.planning import day_bounds, plan_after, plan_spec
 from mailflow.store.sql import query
 
 PER_DAY = 50

@@ -24,7 +24,13 @@ from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, 
 from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.planning import day_bounds, local_midnight, plan_day, plan_send_times, plan_spec
+from mailflow.sources.scheduled.planning import (
+    day_bounds,
+    local_midnight,
+    plan_day,
+    plan_send_times,
+    plan_spec,
+)
 
 # the one definition of a campaign's recipient source (the file or the checked table), shared with
 # provisioning so the address at send time comes from exactly the query that chose the recipient
