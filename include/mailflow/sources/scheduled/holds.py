@@ -113,7 +113,9 @@ def _hold_of(r: Mapping[str, Any]) -> Hold | None:
 def campaign_holds(conn: psycopg.Connection, name: str | None = None) -> dict[str, Hold]:
     """The held campaigns among the scheduled and paused ones (only ``name`` if given): name -> its
     :class:`Hold`. A campaign that sends as planned is absent. One statement (``campaign_holds``), in
-    the caller's transaction or autocommit; read-only."""
+    the caller's transaction (JIT off for the rest of it) or autocommit; read-only."""
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+        conn.execute(query("scheduled", "no_jit"))  # (a read-only page sets jit off for its session)
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(query("scheduled", "campaign_holds"), {"name": name}).fetchall()
     out: dict[str, Hold] = {}
