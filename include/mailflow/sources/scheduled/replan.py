@@ -18,8 +18,8 @@ from typing import Any
 
 import psycopg
 
-from mailflow.sources.scheduled.campaign_db import db_now, lock_campaign, record_event, used_on_day
-from mailflow.sources.scheduled.planning import plan_after, plan_spec
+from mailflow.sources.scheduled.campaign_db import db_now, lock_campaign, record_event
+from mailflow.sources.scheduled.planning import day_bounds, plan_after, plan_spec
 from mailflow.store.scheduled import ScheduledStore
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def replan_locked(conn: psycopg.Connection, c: dict[str, Any], at: datetime) -> 
     if not overdue:
         return Replanned(c["name"], at, 0, 0, None, None, 0)
     spec = plan_spec(c)
-    skip = used_on_day(conn, c, spec, at, include_pending=False)
+    start, end = day_bounds(at, spec)
+    skip = store.day_sends(str(c["name"]), start, end)  # sent or in flight on the release's plan day
     times = list(plan_after(spec, at, skip, None, len(pending)))
     store.replan_rows([r[0] for r in pending], times)
     store.set_plan(int(c["id"]), at, skip, times[-1])

@@ -545,7 +545,8 @@ order by name
 -- (or, with nothing sent, since the canary started: provisioning fixed it and its plan began). The
 -- reputation guard must trip neither the campaign nor the account. Guarded on canary_released_at is
 -- null (a release happens once); the event is appended in the same statement. The caller re-plans the
--- released campaigns' overdue rows in the same transaction (the rest waited behind the canary).
+-- released campaigns' overdue rows in the same transaction (the rest waited behind the canary). The
+-- waiting campaigns are locked in id order (two dispatchers releasing at once never deadlock).
 -- Reads each waiting campaign's canary rows, once per dispatch run, as one range of
 -- send_log_campaign_user_uq (campaign, user_id): provisioning creates a campaign's rows in user_id
 -- order, so its first rows by id (the canary) are its rows up to the last canary row's user_id. The id
@@ -560,6 +561,7 @@ with waiting as (
       and c.canary_released_at is null
       and not exists (select 1 from mail.reputation_guard g
                       where g.state = 'tripped' and (g.scope = 'account' or (g.scope = 'campaign' and g.name = c.name)))
+    order by c.id
     for update of c
 ), canary as (
     select w.id, w.name,
