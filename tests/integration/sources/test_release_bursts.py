@@ -273,18 +273,18 @@ def test_guard_resume_replans_the_campaign_it_paused(rig: Rig) -> None:
 
 def test_per_day_cap_holds_under_concurrent_dispatchers(rig: Rig) -> None:
     """Four dispatchers at once on a campaign of 50 a day: 40 rows are due now and 80 more fall due
-    2 s later (a plan gone wrong: 120 on one day). The 40 go out; the 80 are more than the 10 left,
-    so they are re-planned, not sent, whichever dispatcher meets them."""
+    4 s later, while the dispatchers still run (a plan gone wrong: 120 on one day). The 40 go out; the 80
+    are more than the 10 left, so they are re-planned, not sent, whichever dispatcher meets them."""
     cid = provisioned(rig, 120, **SPEC)
     ids = [r["id"] for r in rig.rows()]
     rig.db.execute("update mail.send_log set scheduled_at = case when id = any(%s) then now() - interval '1 minute'"
-                   " else now() + interval '2 seconds' end", (ids[:40],))
+                   " else now() + interval '4 seconds' end", (ids[:40],))
     results: list[DispatchSummary] = []
     errors: list[BaseException] = []
 
     def worker(i: int) -> None:
         try:
-            results.append(scheduled.dispatch(rig.conn(), rig.client(), rig.renderer(), budget_seconds=6,
+            results.append(scheduled.dispatch(rig.conn(), rig.client(), rig.renderer(), budget_seconds=8,
                                               coalesce_seconds=0, batch_size=5,
                                               run=RunContext(RUN.dag_id, f"run-{i}", RUN.task_id)))
         except BaseException as exc:  # surfaced below
