@@ -92,7 +92,11 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
 
     Holds enforced by the claim statements: a campaign the reputation guard tripped (or every one
     while the account is tripped) is never claimed, and a campaign with a canary gives only its canary
-    rows until :func:`release_canaries` (run at the start of each call) releases the rest.
+    rows until :func:`release_canaries` (run at the start of each call) releases the rest (re-planning
+    what waited behind it). The per-day cap (:meth:`Dispatcher.over_cap`): a campaign with more rows due
+    than ``emails_per_day`` still allows on its plan day is not claimed; its pending rows are re-planned
+    from now instead (``summary.replanned``). At the end, ``summary.held`` says why each scheduled or
+    paused campaign does not send (:func:`~mailflow.sources.scheduled.holds.hold_states`).
 
     One campaign never stops the others: a claim that raises for one campaign (e.g. its template
     is missing) is rolled back, and a batch the provider refuses for a field of the campaign
