@@ -617,7 +617,8 @@ def _reputation(conn: psycopg.Connection, action: str, campaign: str | None, acc
         print(f"{scope} {name} is not tripped: nothing to resume")
         return 0
     print(f"resumed {scope} {name} at {done['resumed_at']} by {by.strip()}; scheduled campaigns set back to "
-          f"scheduled: {', '.join(done['unpaused']) or 'none'}")
+          f"scheduled: {', '.join(done['unpaused']) or 'none'}; held scheduled campaigns re-planned from now: "
+          f"{', '.join(done['released']) or 'none'}")
     return 0
 
 

@@ -70,6 +70,19 @@ def test_send_provider_and_dead_letter_counts_reach_statsd(statsd: socket.socket
     assert _received(statsd, len(expected)) == expected  # zero counts are not sent
 
 
+def test_held_campaigns_reach_statsd_as_gauges_per_kind(statsd: socket.socket) -> None:
+    """A dispatch run's ``held`` (every scheduled or paused campaign: its hold, or None): one gauge per
+    campaign and kind (1 for the reason it is held, 0 for the others, all 0 when it sends as planned), and
+    how many campaigns are held for each reason."""
+    metrics.campaign_holds({"spring": {"kind": "guard_account", "reason": "reputation guard tripped (account a)"},
+                            "autumn": None}, "dispatch_scheduled_emails")
+    kinds = ("paused", "guard_account", "guard_campaign", "canary")
+    expected = [f"airflow.mailflow.campaign.spring.hold.{k}:{int(k == 'guard_account')}|g" for k in kinds]
+    expected += [f"airflow.mailflow.campaign.autumn.hold.{k}:0|g" for k in kinds]
+    expected += [f"airflow.mailflow.campaigns.held.{k}:{int(k == 'guard_account')}|g" for k in kinds]
+    assert _received(statsd, len(expected)) == expected
+
+
 def test_dispatch_lateness_is_a_timing_in_ms(statsd: socket.socket) -> None:
     scheduled = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
     metrics.dispatch_lateness(scheduled, scheduled + timedelta(seconds=7, milliseconds=250), "dispatch_scheduled_emails")

@@ -15,6 +15,11 @@ Airflow's ``statsd_prefix``, default ``airflow``), all counters unless said othe
   send, dispatch and reconcile run, so it is as fresh as the last run;
 * ``mailflow.dispatch.lateness``: a timing (ms): how long after its scheduled minute a dispatch
   run started;
+* ``mailflow.campaign.<campaign>.hold.<kind>``: gauges, 1 while the scheduled campaign is held for that
+  reason, 0 otherwise, ``kind`` one of ``paused``, ``guard_account``, ``guard_campaign``, ``guard_waiting``, ``canary``
+  (:mod:`mailflow.sources.scheduled.holds`); ``mailflow.campaigns.held.<kind>``: gauges, how many
+  campaigns are held for it. Set by every dispatch run for every scheduled or paused campaign, so a
+  campaign that only shows ``scheduled`` still says why it does not send;
 * ``mailflow.webhook.<event_type>.<decision>``: webhook events the receiver acknowledged (in the
   API server), ``event_type`` with ``.`` as ``_`` (``email_bounced``), ``decision`` one of
   ``applied``, ``failed``, ``recipient_mismatch``, ``ignored``, ``pending`` (its email not in the
@@ -131,6 +136,30 @@ def dead_letters(rows: Iterable[Mapping[str, Any]], dag_id: str) -> None:
         per[str(row["campaign"])] = per.get(str(row["campaign"]), 0) + 1
     for campaign, n in per.items():
         _incr(f"mailflow.campaign.{campaign}.dead_lettered", n, dag_id)
+
+
+HOLD_KINDS = ("paused", "guard_account", "guard_campaign", "guard_waiting", "canary")  # mailflow.sources.scheduled.holds
+
+
+def campaign_holds(held: Mapping[str, Mapping[str, Any] | None], dag_id: str) -> None:
+    """Set the hold gauges from a dispatch run's ``held`` (every scheduled or paused campaign: name ->
+    its hold with a ``kind``, or None when it sends as planned)."""
+    totals = dict.fromkeys(HOLD_KINDS, 0)
+    for campaign, hold in held.items():
+        kind = hold.get("kind") if hold else None
+        if kind in totals:
+            totals[str(kind)] += 1
+        for k in HOLD_KINDS:
+            _gauge(f"mailflow.campaign.{_segment(campaign)}.hold.{k}", 1 if k == kind else 0, dag_id)
+    for k, n in totals.items():
+        _gauge(f"mailflow.campaigns.held.{k}", n, dag_id)
+
+
+def _gauge(name: str, value: int, dag_id: str) -> None:
+    try:
+        _stats().gauge(name, value, tags={"dag_id": dag_id})
+    except Exception as exc:  # a metric is never worth a failed run
+        log.warning("metric %s not emitted: %s", name, exc)
 
 
 def dispatch_lateness(scheduled: datetime | None, started: datetime, dag_id: str) -> None:

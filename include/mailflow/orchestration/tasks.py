@@ -312,6 +312,7 @@ def dispatch_task(context: Mapping[str, Any]) -> dict[str, Any]:
             _provider_signals(conn, client, context)
     out = summary.as_dict()
     metrics.dispatch_outcomes(out, _dag_id(context))
+    metrics.campaign_holds(out["held"], _dag_id(context))
     return out
 
 

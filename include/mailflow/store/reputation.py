@@ -580,23 +580,29 @@ def blocked(conn: psycopg.Connection, campaign: str) -> str | None:
 #: ``unpause(conn, campaign_id, actor)``: sets a guard-paused scheduled campaign back to ``scheduled``
 #: (in the caller's transaction); the scheduled source's resume re-plans overdue rows.
 Unpause = Callable[[psycopg.Connection, int, str], Any]
+#: ``release(conn, campaign_id, actor)``: re-plans the overdue rows of a ``scheduled`` campaign the
+#: resumed scope held without pausing it (in the caller's transaction; the scheduled source's
+#: ``replan_overdue``).
+Release = Callable[[psycopg.Connection, int, str], Any]
 
 
 @dataclass(frozen=True)
 class Resumed:
     """What :func:`resume` did: ``changed`` (the scope was tripped and is ok now), ``resumed_at``
-    (aware, database clock; None if unchanged) and ``unpaused`` (scheduled campaigns set back to
-    ``scheduled`` because the guard had paused them and nothing trips them any more)."""
+    (aware, database clock; None if unchanged), ``unpaused`` (scheduled campaigns set back to
+    ``scheduled`` because the guard had paused them and nothing trips them any more) and ``released``
+    (campaigns that were ``scheduled`` but held by the scope, handed to the ``release`` hook)."""
 
     scope: str
     name: str
     changed: bool
     resumed_at: datetime | None
     unpaused: tuple[str, ...]
+    released: tuple[str, ...] = ()
 
 
 def resume(conn: psycopg.Connection, scope: str, name: str, actor: str, reason: str = "", *,
-           unpause: Unpause | None = None) -> Resumed:
+           unpause: Unpause | None = None, release: Release | None = None) -> Resumed:
     """A person resumes a tripped scope (a campaign or the provider account), in one transaction.
 
     The scope becomes ``ok`` with ``resumed_at`` (database clock), ``resumed_by`` = ``actor`` and
@@ -607,7 +613,11 @@ def resume(conn: psycopg.Connection, scope: str, name: str, actor: str, reason: 
     (``mailflow reputation status`` shows what is still awaited). Every scheduled campaign the guard paused (its last pause event is
     by ``reputation_guard``) that no scope trips any more is set back to ``scheduled`` with ``unpause``
     (default: the status alone, with a campaign event by ``actor``); a campaign paused by someone else
-    stays paused. Resuming an ``ok`` scope changes nothing.
+    stays paused. Every campaign the scope held while it was already ``scheduled`` (provisioned, or
+    resumed by a person, while the scope was tripped: the claim statements hold it all the same) that
+    nothing trips any more is handed to ``release`` (the scheduled source re-plans its overdue rows, so
+    the backlog of the hold is not sent at once; default: nothing). Resuming an ``ok`` scope changes
+    nothing.
 
     :raises ValueError: for an unknown scope, or an empty ``actor`` (resuming is a person's decision).
     :raises LookupError: if the guard has no row for the scope (never evaluated: nothing to resume).
@@ -627,7 +637,15 @@ def resume(conn: psycopg.Connection, scope: str, name: str, actor: str, reason: 
             raise LookupError(f"the reputation guard has no {scope} {name!r} (known: "
                               + (", ".join(f"{s} {n}" for s, n, *_ in status_rows(conn)) or "none") + ")")
         unpaused: list[str] = []
+        released: list[str] = []
         if row is not None:
+            # the campaigns held while scheduled, read before any unpause makes a paused one scheduled
+            held = conn.execute(query("reputation", "guard_held"),
+                                {"name": name if scope == "campaign" else None}).fetchall()
+            for cid, cname in held:
+                if release is not None:
+                    release(conn, int(cid), actor)
+                    released.append(str(cname))
             for cid, cname in conn.execute(query("reputation", "guard_paused"),
                                            {"name": name if scope == "campaign" else None}).fetchall():
                 if unpause is not None:
@@ -637,9 +655,10 @@ def resume(conn: psycopg.Connection, scope: str, name: str, actor: str, reason: 
                         {"reason": f"reputation guard resumed ({scope} {name}) by {actor}: {reason}"})})
                 unpaused.append(str(cname))
     if row is not None:
-        log.warning("reputation guard resumed (%s %s) by %s: %s; campaigns set back to scheduled: %s",
-                    scope, name, actor, reason, ", ".join(unpaused) or "none")
-    return Resumed(scope, name, row is not None, row[0] if row else None, tuple(unpaused))
+        log.warning("reputation guard resumed (%s %s) by %s: %s; campaigns set back to scheduled: %s; held "
+                    "campaigns released: %s", scope, name, actor, reason, ", ".join(unpaused) or "none",
+                    ", ".join(released) or "none")
+    return Resumed(scope, name, row is not None, row[0] if row else None, tuple(unpaused), tuple(released))
 
 
 def status_rows(conn: psycopg.Connection) -> list[tuple[Any, ...]]:

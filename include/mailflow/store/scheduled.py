@@ -11,6 +11,7 @@ connection's default tuples unless the method says ``dict``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,6 +21,21 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from mailflow.store.sql import query
+
+
+@dataclass(frozen=True)
+class CanaryRelease:
+    """One canary released: the campaign (``campaign_id``, ``name``), its canary emails ``sent``, of them
+    ``with_outcome``, its rows ``deferred`` by the contact policy (not waited for) and the ``rule`` that
+    released it: ``outcomes`` (the outcome share of the sent canary), ``maximum wait`` or
+    ``nothing to judge`` (no canary email sent and none deferred)."""
+
+    campaign_id: int
+    name: str
+    sent: int
+    with_outcome: int
+    deferred: int
+    rule: str
 
 
 class ScheduledStore:
@@ -193,6 +209,16 @@ class ScheduledStore:
         """Lock up to ``limit`` due rows of one campaign, in send order."""
         return self._run("pick_due", {**who, "limit": limit}).fetchall()
 
+    def day_sends(self, campaign: str, start: datetime, end: datetime) -> int:
+        """Emails of ``campaign`` sent (by ``sent_at``) or in flight (by ``claimed_at``) in ``[start, end)``."""
+        row = self._run("day_sends", {"campaign": campaign, "start": start, "end": end}).fetchone()
+        return int(row[0]) if row else 0
+
+    def due_count(self, campaign: str, limit: int) -> int:
+        """How many of ``campaign``'s rows are due and claimable now, counted up to ``limit``."""
+        row = self._run("due_count", {"campaign": campaign, "limit": limit}).fetchone()
+        return int(row[0]) if row else 0
+
     def current_addresses(self, source: pgsql.Composable, user_ids: Sequence[int], campaign: str,
                           campaign_id: int) -> dict[int, str | None]:
         """The addresses the recipient ``source`` holds now for ``user_ids``: ``{user_id: address}``
@@ -226,11 +252,12 @@ class ScheduledStore:
         """Names of the scheduled campaigns whose canary is fixed and not released yet."""
         return [str(r[0]) for r in self._run("canaries_waiting", {}).fetchall()]
 
-    def release_canaries(self, actor: str | None) -> list[tuple[str, int, int]]:
+    def release_canaries(self, actor: str | None) -> list[CanaryRelease]:
         """Release the rest of every campaign whose canary is in and that the reputation guard does not
-        trip (``release_canaries``: the rule is the statement's comment); ``(name, canary emails sent,
-        of them with an outcome)`` per campaign released."""
-        return [(str(n), int(s), int(o)) for n, s, o in self._run("release_canaries", {"actor": actor}).fetchall()]
+        trip (``release_canaries``: the rule is the statement's comment); one :class:`CanaryRelease`
+        per campaign released. The campaign rows stay locked until the caller's transaction ends."""
+        return [CanaryRelease(int(i), str(n), int(s), int(o), int(d), str(r))
+                for i, n, s, o, d, r in self._run("release_canaries", {"actor": actor}).fetchall()]
 
     def db_now(self) -> datetime:
         """The database's ``now()`` (the transaction's start, aware)."""

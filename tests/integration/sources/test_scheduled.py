@@ -218,20 +218,39 @@ def test_two_concurrent_dispatchers_send_every_row_exactly_once(rig: Rig) -> Non
     assert rig.campaign_row(cid)["status"] == "completed"
 
 
-def test_a_dispatcher_skips_rows_another_holds_without_waiting(rig: Rig) -> None:
-    provisioned(rig, 6)
-    a, b = rig.conn(), rig.conn()
-    b.execute("set lock_timeout = '1s'")
-    b.commit()
+def test_a_dispatcher_skips_rows_another_holds_without_waiting(rig: Rig, tmp_path: Path) -> None:
+    cid = provisioned(rig, 6)
+    (tmp_path / "other.csv").write_text("user_id,email\n" + "".join(f"{u},other{u}@example.com\n"
+                                                                    for u in range(101, 107)))
+    other = scheduled.create_campaign(rig.db, {  # 6 other users, planned at the same times
+        "name": "other_test", "template": "outreach", "subject": "Hello", "from": "Outreach <outreach@mail.example.com>",
+        "recipients_csv": "other.csv", **ALL_DAY, "start_at": "2026-01-05T00:00:00+00:00"}, base_dir=tmp_path)
+    assert rig.provision(other).created == 6
+    a, b, c = rig.conn(), rig.conn(), rig.conn()
+    for x in (b, c):
+        x.execute("set lock_timeout = '1s'")
+        x.commit()
     renderer = rig.renderer()
     da = claiming.Dispatcher(a, renderer, RUN, batch_size=4)
     db_ = claiming.Dispatcher(b, renderer, RUN, batch_size=4)
-    with a.transaction():  # A's claim stays uncommitted: its rows stay locked
+    with a.transaction():  # A's claim stays uncommitted: its rows and its campaign's row stay locked
         _, ca = da.claim()
-        _, cb = db_.claim()  # would raise LockNotAvailable if it waited for A
-    assert ca is not None and cb is not None
-    ids_a, ids_b = {r.id for r in ca.rows}, {r.id for r in cb.rows}
-    assert (len(ids_a), len(ids_b), ids_a & ids_b) == (4, 2, set())
+        with b.transaction():
+            _, cb = db_.claim()  # would raise LockNotAvailable if it waited for A
+            assert ca is not None and cb is not None
+            # claims of one campaign are serialised (its per-day cap counts them): B took the other campaign's
+            # rows, and locked none of the campaign A holds on its way
+            assert (ca.campaign.name, cb.campaign.name) == ("outreach_test", "other_test")
+            rest = [r["id"] for r in rig.rows("campaign = 'outreach_test'") if r["id"] not in {x.id for x in ca.rows}]
+            assert len(rest) == 2
+            with c.transaction():
+                assert len(c.execute("select id from mail.send_log where id = any(%s) for update nowait",
+                                     (rest,)).fetchall()) == 2
+    _, again = db_.claim()  # A committed: B takes the rest of A's campaign
+    assert again is not None
+    ids_a, ids_b, ids_again = {r.id for r in ca.rows}, {r.id for r in cb.rows}, {r.id for r in again.rows}
+    assert (len(ids_a), len(ids_b), len(ids_again), ids_a & ids_again) == (4, 4, 2, set())
+    assert again.campaign.name == "outreach_test" and rig.campaign_row(cid)["status"] == "scheduled"
 
 
 def test_cancel_turns_pending_into_cancelled_and_leaves_rows_in_flight(rig: Rig) -> None:
@@ -283,12 +302,13 @@ def test_pause_stops_dispatch_and_resume_replans_the_overdue_rows_in_order(rig: 
     assert (c["status"], c["plan_start"], c["plan_skip"], c["planned_through"]) == (
         "scheduled", resume_at, 0, replanned[-1])
 
+    # the first plan day's 10 rows fall due (the other 5 are the next day's): exactly those are sent, each once
+    rig.db.execute("update mail.send_log set scheduled_at = case when id = any(%s) then now() - interval '1 minute'"
+                   " else now() + interval '1 day' end where status = 'pending'", (ids[5:15],))
     summary = rig.dispatch()
-    assert summary.sent == 15
-    assert Counter(r["status"] for r in rig.rows()) == {"sent": 20}
-    assert rig.outbox_ids() == Counter({i: 1 for i in ids[5:]})  # nobody skipped, nobody twice
-    assert summary.completed == ["outreach_test"]
-    assert rig.campaign_row(cid)["status"] == "completed"
+    assert (summary.sent, summary.replanned) == (10, {})
+    assert Counter(r["status"] for r in rig.rows()) == {"sent": 15, "pending": 5}
+    assert rig.outbox_ids() == Counter({i: 1 for i in ids[5:15]})  # nobody skipped, nobody twice
 
 
 def test_resume_keeps_the_daily_cap_on_the_resume_day(rig: Rig) -> None:

@@ -227,8 +227,15 @@ def test_a_deferral_keeps_the_daily_count(srig: ts.Rig) -> None:
         plant_sent(srig.db, uid, "first_practice", now - 2 * D)
     cid = srig.campaign(**(BERLIN_WORKDAYS | {"emails_per_day": 2}))
     srig.provision(cid)
+    # two due at a time (the per-day cap re-plans a campaign with more due than a day allows): the third later
+    srig.db.execute("update mail.send_log set scheduled_at = now() + interval '1 day' where user_id = 3"
+                    " and campaign = 'outreach_test'")
     s = srig.dispatch()
-    assert (s.sent, s.deferred) == (0, 3)
+    assert (s.sent, s.deferred) == (0, 2)
+    srig.db.execute("update mail.send_log set scheduled_at = now() - interval '1 minute' where user_id = 3"
+                    " and campaign = 'outreach_test'")
+    s = srig.dispatch()
+    assert (s.sent, s.deferred, s.replanned) == (0, 1, {})
     spec = scheduled.plan_spec(srig.campaign_row(cid))
     times = [r["scheduled_at"] for r in srig.rows("campaign = 'outreach_test'")]
     days = [plan_day(spec, t) for t in times]
@@ -287,7 +294,7 @@ def test_a_scheduled_email_after_a_lifecycle_email_is_held_back(lrig: LRig, srig
     srig.users(60)
     [s] = lrig.run([simple_campaign("lc", 1)], interval=live_interval(lrig.db))
     assert s.sent == 60
-    cid = srig.campaign(on_policy="skip", **BERLIN_WORKDAYS)
+    cid = srig.campaign(on_policy="skip", **(BERLIN_WORKDAYS | {"emails_per_day": 60}))
     srig.provision(cid)
     d = srig.dispatch()
     assert (d.sent, d.skipped) == (0, 60)

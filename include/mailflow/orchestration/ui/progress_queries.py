@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from mailflow.sources.scheduled.holds import campaign_holds
 from mailflow.store import counters
 from mailflow.store.send_log import mask_email
 from mailflow.store.sql import query
@@ -238,21 +239,35 @@ from mail.reputation_guard where scope = 'account' and state = 'tripped'
 """
 
 
+def _with_holds(conn: psycopg.Connection, progress: list[dict[str, Any]], name: str | None = None) -> None:
+    """Add ``hold`` to each progress row: why a scheduled or paused campaign does not send as planned
+    (:func:`mailflow.sources.scheduled.holds.campaign_holds` as a dict: ``kind``, ``reason``, ``since``
+    and the canary's counts), or None."""
+    held = campaign_holds(conn, name)
+    for p in progress:
+        hold = held.get(p["campaign"])
+        p["hold"] = {k: plain_value(v) for k, v in hold.as_dict().items()} if hold else None
+        if p["hold"]:  # a pause's reason may quote a provider's error, which can name an address
+            p["hold"]["reason"] = mask_text(p["hold"]["reason"])
+
+
 def load_list(conn: psycopg.Connection) -> dict[str, Any]:
     """Every campaign's progress (``mail.campaign_progress``) with its outcome rates and guard state
-    (``mail.campaign_outcomes``), and whether any is active."""
+    (``mail.campaign_outcomes``) and why it is held (``hold``, or None), and whether any is active."""
     campaigns = _progress(conn)
     _with_outcomes(conn, campaigns)
+    _with_holds(conn, campaigns)
     return {"campaigns": campaigns, "active": any(c["active"] for c in campaigns)}
 
 
 def load_campaign(conn: psycopg.Connection, name: str, *, show: bool, days: bool = True) -> dict[str, Any] | None:
-    """One campaign: ``progress``, ``days`` (latest first, up to 14), ``recent`` emails (latest
+    """One campaign: ``progress`` (with ``hold``: why it is held, or None), ``days`` (latest first, up to 14), ``recent`` emails (latest
     20 sent / in flight / failed / cancelled) and ``errors`` (by message); None if unknown."""
     found = _progress(conn, name)
     if not found:
         return None
     _with_outcomes(conn, found, name)
+    _with_holds(conn, found, name)
     params = {"campaign": name, "limit": RECENT_LIMIT, "days": DAYS}
     recent = _rows(conn, RECENT_SQL, params)
     errors = _rows(conn, ERRORS_SQL, params)

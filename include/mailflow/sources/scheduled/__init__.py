@@ -28,7 +28,12 @@ rows take the next slots in the campaign's windows and everyone after them shift
 burst is sent, every email stays inside the windows and the pace stays ``emails_per_day``. The
 first (resume) local day gets only the slots left after the campaign's emails already sent that
 day (``plan_skip`` drops that many of its earliest slots), so the daily cap holds on that day too.
-Nobody is skipped, nobody is duplicated: rows keep their identity.
+Nobody is skipped, nobody is duplicated: rows keep their identity. Every other release of a held
+campaign re-plans the same way (:mod:`.replan`): the reputation guard's resume (of the campaigns it
+paused and of those it held while ``scheduled``) and a canary release. Behind the plan, the dispatcher's
+per-day cap (:meth:`.claiming.Dispatcher.over_cap`): a claim never takes a campaign past
+``emails_per_day`` on one plan day; with more rows due than that, it re-plans them from now instead.
+Why a campaign is held: :mod:`.holds`.
 
 **Dispatch** claims due rows (``status = 'pending' and scheduled_at <= now()``, campaign
 ``scheduled``) with ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)``, at most 100

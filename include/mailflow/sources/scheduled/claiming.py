@@ -24,7 +24,13 @@ from mailflow.model.outcome import Accepted, MintedRow, Outcome, PreparedBatch, 
 from mailflow.model.policy import ContactPolicy
 from mailflow.sendloop.engine import send_chunk
 from mailflow.sendloop.render import Renderer
-from mailflow.sources.scheduled.planning import local_midnight, plan_day, plan_send_times, plan_spec
+from mailflow.sources.scheduled.planning import (
+    day_bounds,
+    local_midnight,
+    plan_day,
+    plan_send_times,
+    plan_spec,
+)
 
 # the one definition of a campaign's recipient source (the file or the checked table), shared with
 # provisioning so the address at send time comes from exactly the query that chose the recipient
@@ -70,6 +76,11 @@ class DispatchSummary:
     paused: dict[str, str] = field(default_factory=dict)
     #: campaigns whose canary was in: the rest of their rows was released by this call
     canaries_released: list[str] = field(default_factory=list)
+    #: campaigns that had more rows due than their per-day cap allowed: pending rows re-planned from now
+    replanned: dict[str, int] = field(default_factory=dict)
+    #: every scheduled or paused campaign at the end of the call: name -> why it is held
+    #: (``holds.Hold.as_dict``: kind, reason, ...), or None when it sends as planned
+    held: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -167,6 +178,9 @@ class Claim:
     decided: dict[str, int] = field(default_factory=dict)  # rows decided without a request, by status
     readdressed: int = 0  # rows given the recipient's current address
     gone: int = 0  # rows skipped because the recipient source no longer returns their user
+    #: why nothing was claimed although rows were due: more are due than the campaign may still send
+    #: on this plan day (:meth:`Dispatcher.over_cap`); the dispatcher re-plans the campaign's rows
+    capped: str | None = None
 
 
 class Dispatcher:
@@ -236,6 +250,9 @@ class Dispatcher:
                 return suppressed, None
             self.claiming = str(picked[0][4])  # the campaign at fault if what follows raises
             crow = self._campaign_row(str(picked[0][4]))
+            capped = self.over_cap(crow)
+            if capped is not None:  # nothing claimed: the rows stay pending and the dispatcher re-plans them
+                return suppressed, Claim(self._campaign(str(crow["name"])), (), {}, None, 0, capped=capped)
             # the address first: hygiene, suppression, mailbox cooldown and caps judge the one sent to
             picked, decided, readdressed = self.refresh_addresses(crow, picked)
             gone = len(decided)  # so far only the rows whose recipient is gone
@@ -292,6 +309,30 @@ class Dispatcher:
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
         return suppressed, Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts,
                                  readdressed, gone)
+
+    def over_cap(self, c: Mapping[str, Any]) -> str | None:
+        """The per-day cap at claim time, for campaign row ``c`` whose row pick_due locked (so no other
+        claim of it is uncommitted, whatever the number of dispatchers): the campaign may send at most
+        ``emails_per_day`` emails on one plan day (its local day in its timezone,
+        :func:`~mailflow.sources.scheduled.planning.day_bounds`), counted from its emails sent or in
+        flight that day (``ScheduledStore.day_sends``). If more of its rows are due now than it may
+        still send today (held rows released at once, a dispatcher that did not run for a day), nothing
+        is claimed and the reason is returned: the caller re-plans the campaign's pending rows from now
+        (:func:`~mailflow.sources.scheduled.replan.replan_overdue`) instead of sending the backlog.
+        None: the due rows fit."""
+        spec = plan_spec(c)
+        store = ScheduledStore(self.conn)
+        start, end = day_bounds(store.db_now(), spec)
+        left = max(spec.emails_per_day - store.day_sends(str(c["name"]), start, end), 0)
+        due = store.due_count(str(c["name"]), left + 1)
+        if due <= left:
+            return None
+        return (f"per-day cap: more than {left} rows due but only {left} of emails_per_day {spec.emails_per_day} "
+                f"left on the plan day from {start.isoformat()}")
+
+    def campaign_id(self, name: str) -> int:
+        """The id of campaign ``name`` (read once per dispatch call)."""
+        return int(self._campaign_row(name)["id"])
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:

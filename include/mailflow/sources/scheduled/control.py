@@ -19,9 +19,10 @@ from mailflow.sources.scheduled.campaign_db import (
     json_default,
     lock_campaign,
     record_event,
-    used_on_day,
 )
+from mailflow.sources.scheduled.holds import campaign_holds
 from mailflow.sources.scheduled.planning import plan_after, plan_spec
+from mailflow.sources.scheduled.replan import replan_locked, replan_overdue
 from mailflow.store import reputation, test_emails
 from mailflow.store.scheduled import ScheduledStore
 
@@ -132,22 +133,15 @@ def resume(conn: psycopg.Connection, campaign_id: int, *, now: datetime | None =
             _transition(conn, campaign_id, ("paused",), "draft", actor, reason="resumed before provisioning")
             return {"campaign": c["name"], "status": "draft", "changed": True, "overdue": 0,
                     "replanned": 0, "first": None, "last": None}
-        pending = ScheduledStore(conn).pending_in_order(c["name"])
-        overdue = sum(1 for _, t in pending if t < at)
-        times: list[datetime] = []
-        if overdue:
-            spec = plan_spec(c)
-            skip = used_on_day(conn, c, spec, at, include_pending=False)
-            times = list(plan_after(spec, at, skip, None, len(pending)))
-            ScheduledStore(conn).replan_rows([r[0] for r in pending], times)
-            ScheduledStore(conn).set_plan(campaign_id, at, skip, times[-1])
-        _transition(conn, campaign_id, ("paused",), "scheduled", actor, overdue=overdue, replanned=len(times),
-                    resumed_at=at.isoformat(), first=times[0].isoformat() if times else None,
-                    last=times[-1].isoformat() if times else None)
-    log.info("campaign %s resumed at %s: %d overdue, %d re-planned", c["name"], at, overdue, len(times))
-    return {"campaign": c["name"], "status": "scheduled", "changed": True, "overdue": overdue,
-            "replanned": len(times), "first": times[0].isoformat() if times else None,
-            "last": times[-1].isoformat() if times else None}
+        # the pause held the campaign: its overdue rows are re-planned from now (the rule every release shares)
+        done = replan_locked(conn, c, at)
+        _transition(conn, campaign_id, ("paused",), "scheduled", actor, overdue=done.overdue, replanned=done.replanned,
+                    resumed_at=at.isoformat(), first=done.first.isoformat() if done.first else None,
+                    last=done.last.isoformat() if done.last else None)
+    log.info("campaign %s resumed at %s: %d overdue, %d re-planned", c["name"], at, done.overdue, done.replanned)
+    return {"campaign": c["name"], "status": "scheduled", "changed": True, "overdue": done.overdue,
+            "replanned": done.replanned, "first": done.first.isoformat() if done.first else None,
+            "last": done.last.isoformat() if done.last else None}
 
 
 def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor: str | None = None) -> list[str]:
@@ -161,35 +155,47 @@ def complete(conn: psycopg.Connection, campaign_id: int | None = None, *, actor:
 def status(conn: psycopg.Connection, campaign_id: int) -> dict[str, Any]:
     """A campaign's settings, checkpoint and rows by state, the next due time and the send
     lateness (``sent_at - scheduled_at``) p50/p99 in seconds, for a paused campaign
-    ``paused_reason`` (why the dispatcher paused it, or None), and ``test_emails``: its test emails
-    with their outcomes (:func:`mailflow.store.test_emails.of_campaign`). Datetimes as ISO text."""
+    ``paused_reason`` (why it was paused, or None), ``hold``: why a scheduled or paused campaign
+    does not send as planned (:class:`~mailflow.sources.scheduled.holds.Hold` as a dict: ``kind``
+    paused / guard_account / guard_campaign / guard_waiting / canary, ``reason``, ``since`` and the canary's
+    counts), or None when it sends as planned, and ``test_emails``: its test emails with their outcomes
+    (:func:`mailflow.store.test_emails.of_campaign`). Datetimes as ISO text."""
     with conn.transaction():
         c = ScheduledStore(conn).campaign_by_id(campaign_id)
         if c is None:
             raise LookupError(f"no campaign with id {campaign_id} in mail.campaign")
         counts = ScheduledStore(conn).campaign_counts(c["name"]) or {}
         reason = ScheduledStore(conn).pause_reason(campaign_id) if c["status"] == "paused" else None
+        hold = campaign_holds(conn, c["name"]).get(c["name"])
         tests = test_emails.of_campaign(conn, campaign_id)
-    out = {**c, "rows": counts, "paused_reason": reason, "test_emails": tests}
+    out = {**c, "rows": counts, "paused_reason": reason, "hold": hold.as_dict() if hold else None,
+           "test_emails": tests}
     return json.loads(json.dumps(out, default=json_default))
 
 
 def resume_reputation(conn: psycopg.Connection, scope: str, name: str, *, actor: str,
                       reason: str) -> dict[str, Any]:
     """A person resumes what the reputation guard stopped (:func:`mailflow.store.reputation.resume`):
-    the scope (``campaign`` or ``account``) becomes ok, and every scheduled campaign the guard paused
-    that nothing trips any more resumes by :func:`resume` (overdue rows re-planned from now, so no
-    burst), all in one transaction. Shared by ``mailflow reputation resume`` and the ``resume_sending``
-    DAG.
+    the scope (``campaign`` or ``account``) becomes ok; every scheduled campaign the guard paused that
+    nothing trips any more resumes by :func:`resume`, and every campaign the scope held while it was
+    ``scheduled`` (provisioned, or resumed by a person, while the scope was tripped) has its overdue rows
+    re-planned from the resume instant (:func:`~mailflow.sources.scheduled.replan.replan_overdue`):
+    no campaign the scope held sends its backlog at once. All in one transaction. Shared by
+    ``mailflow reputation resume`` and the ``resume_sending`` DAG.
 
-    :returns: ``{"scope", "name", "changed", "resumed_at" (ISO text or None), "unpaused": [names]}``.
+    :returns: ``{"scope", "name", "changed", "resumed_at" (ISO text or None), "unpaused": [names],
+        "released": [names of the held scheduled campaigns, re-planned where rows were overdue]}``.
     :raises ValueError: for an unknown scope or an empty ``actor`` / ``reason``.
     :raises LookupError: if the guard never evaluated that scope.
     """
     if not reason or not reason.strip():
         raise ValueError("resuming after a reputation trip needs a reason (recorded with who resumed)")
+    why = f"reputation guard resumed ({scope} {name})"
     with conn.transaction():
+        at = db_now(conn)
         done = reputation.resume(conn, scope, name, actor, reason,
-                                 unpause=lambda c, cid, who: resume(c, cid, actor=who))
+                                 unpause=lambda c, cid, who: resume(c, cid, now=at, actor=who),
+                                 release=lambda c, cid, who: replan_overdue(c, cid, at, actor=who, reason=why))
     return {"scope": done.scope, "name": done.name, "changed": done.changed,
-            "resumed_at": done.resumed_at.isoformat() if done.resumed_at else None, "unpaused": list(done.unpaused)}
+            "resumed_at": done.resumed_at.isoformat() if done.resumed_at else None, "unpaused": list(done.unpaused),
+            "released": list(done.released)}

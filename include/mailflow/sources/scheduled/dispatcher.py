@@ -28,6 +28,8 @@ from mailflow.sendloop.render import Renderer
 from mailflow.sources.scheduled.campaign_db import actor_name
 from mailflow.sources.scheduled.claiming import Claim, Dispatcher, DispatchSummary
 from mailflow.sources.scheduled.control import complete, hold
+from mailflow.sources.scheduled.holds import hold_states
+from mailflow.sources.scheduled.replan import replan_overdue
 from mailflow.store import reputation
 from mailflow.store.scheduled import ScheduledStore
 
@@ -45,8 +47,11 @@ def release_canaries(conn: psycopg.Connection, actor: str | None) -> list[str]:
     """Release the rest of the campaigns whose canary is in (docs/operations.md, "Reputation guard"):
     first the reputation guard evaluates the waiting campaigns (so a canary that bounced trips and
     pauses its campaign instead of being released), then ``ScheduledStore.release_canaries`` releases
-    those whose canary rows are all sent and have enough outcomes (or waited long enough) and that
-    nothing trips. Its own transactions; returns the names released."""
+    those whose canary is judged (the outcome share of the canary emails sent, or ``canary_max_wait``
+    since its last send; a canary row the contact policy deferred is not waited for) and that nothing
+    trips. In the same transaction each released campaign's overdue rows are re-planned from now
+    (:func:`~mailflow.sources.scheduled.replan.replan_overdue`): the rest waited behind the canary, and
+    a release must not send that backlog at once. Its own transactions; returns the names released."""
     with conn.transaction():
         waiting = ScheduledStore(conn).canaries_waiting()
     if not waiting:
@@ -54,10 +59,13 @@ def release_canaries(conn: psycopg.Connection, actor: str | None) -> list[str]:
     reputation.evaluate(conn, waiting)
     with conn.transaction():
         released = ScheduledStore(conn).release_canaries(actor)
-    for name, sent, with_outcome in released:
-        log.info("campaign %s: canary released (%d sent, %d with an outcome): the rest is dispatched as planned",
-                 name, sent, with_outcome)
-    return [name for name, _, _ in released]
+        replanned = {r.name: replan_overdue(conn, r.campaign_id, actor=actor, reason="canary released")
+                     for r in released}
+    for r in released:
+        log.info("campaign %s: canary released by its %s (%d sent, %d with an outcome, %d deferred by the contact "
+                 "policy); %d overdue rows re-planned from now", r.name, r.rule, r.sent, r.with_outcome, r.deferred,
+                 replanned[r.name].replanned)
+    return [r.name for r in released]
 
 
 def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
@@ -84,7 +92,11 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
 
     Holds enforced by the claim statements: a campaign the reputation guard tripped (or every one
     while the account is tripped) is never claimed, and a campaign with a canary gives only its canary
-    rows until :func:`release_canaries` (run at the start of each call) releases the rest.
+    rows until :func:`release_canaries` (run at the start of each call) releases the rest (re-planning
+    what waited behind it). The per-day cap (:meth:`Dispatcher.over_cap`): a campaign with more rows due
+    than ``emails_per_day`` still allows on its plan day is not claimed; its pending rows are re-planned
+    from now instead (``summary.replanned``). At the end, ``summary.held`` says why each scheduled or
+    paused campaign does not send (:func:`~mailflow.sources.scheduled.holds.hold_states`).
 
     One campaign never stops the others: a claim that raises for one campaign (e.g. its template
     is missing) is rolled back, and a batch the provider refuses for a field of the campaign
@@ -229,6 +241,11 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                     clock.sleep(nap)
                     summary.idle_seconds += nap
                 continue
+            if claim.capped is not None:
+                # more rows are due than the campaign may still send today: re-plan them from now, never burst
+                done = replan_overdue(conn, d.campaign_id(claim.campaign.name), actor=actor, reason=claim.capped)
+                summary.replanned[claim.campaign.name] = summary.replanned.get(claim.campaign.name, 0) + done.replanned
+                continue
             summary.deferred += claim.decided.get("deferred", 0)
             summary.skipped += claim.decided.get("skipped", 0)
             summary.invalid += claim.decided.get("failed", 0)
@@ -271,6 +288,11 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         finally:
             pipe.close()
     summary.completed = complete(conn, actor=actor_name(run, "dispatcher"))
+    with conn.transaction():  # why each campaign that does not send is held (the metrics' gauges)
+        summary.held = hold_states(conn)
+    for name, why in summary.held.items():
+        if why is not None:
+            log.info("campaign %s held (%s): %s", name, why["kind"], why["reason"])
     summary.seconds = clock.monotonic() - t0
     log.info("dispatch: %s", summary.as_dict())
     if breaker.opened_by_run is not None:

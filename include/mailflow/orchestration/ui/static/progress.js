@@ -77,6 +77,25 @@
     return ["ok", ""];
   }
 
+  // Why a scheduled campaign does not send as planned (mailflow.sources.scheduled.holds).
+  const HOLDS = { paused: "paused", guard_account: "account tripped", guard_campaign: "guard tripped",
+                  guard_waiting: "waiting for outcomes",
+                  canary: "canary waiting" };
+
+  function holdNote(p) {
+    const div = document.createElement("div");
+    div.className = "hold";
+    div.dataset.field = "hold";
+    div.dataset.testid = "hold";
+    div.hidden = !p.hold;
+    if (p.hold) {
+      const b = document.createElement("strong");
+      b.textContent = `Held: ${HOLDS[p.hold.kind] || p.hold.kind}. `;
+      div.append(b, document.createTextNode(p.hold.reason));
+    }
+    return div;
+  }
+
   function guardCell(tr, p) {
     const [state, reason] = guard(p);
     const td = cell(tr, state, `guard-${state}`, "guard_state");
@@ -104,7 +123,9 @@
       a.textContent = c.campaign;
       td.appendChild(a);
       tr.appendChild(td);
-      cell(tr, `${c.kind}: ${c.campaign_status || (c.kind === "lifecycle" ? "hourly" : "")}`, "kind", "kind");
+      const kind = cell(tr, `${c.kind}: ${c.campaign_status || (c.kind === "lifecycle" ? "hourly" : "")}`
+        + (c.hold ? `, held (${HOLDS[c.hold.kind] || c.hold.kind})` : ""), c.hold ? "kind held" : "kind", "kind");
+      if (c.hold) kind.title = c.hold.reason;
       LIST.forEach((k) => cell(tr, c[k], "n", k));
       pct(cell(tr, "", "", "percent_done"), c.percent_done);
       cell(tr, c.send_rate_per_min, "n", "send_rate_per_min");
@@ -133,6 +154,7 @@
       return div;
     }));
     document.getElementById("bar-fill").style.width = `${Number(p.percent_done) || 0}%`;
+    document.getElementById("hold").replaceWith(Object.assign(holdNote(p), { id: "hold" }));
     const [gstate, greason] = guard(p);
     const outcomes = document.getElementById("outcomes");
     outcomes.replaceChildren(...RATES.map(([k, label]) => {

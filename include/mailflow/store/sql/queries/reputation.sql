@@ -173,6 +173,19 @@ where c.status = 'paused' and (%(name)s::text is null or c.name = %(name)s)
 order by c.id
 for update of c
 
+-- name: guard_held
+-- The scheduled campaigns a resumed scope held without pausing them (provisioned, or resumed by a
+-- person, while it was tripped: the claim statements hold every campaign of a tripped scope whatever
+-- its status) that nothing trips any more: a resume re-plans their overdue rows, as it does for the
+-- campaigns it unpauses. Locked in id order. `name` null: every scheduled campaign (an account resume).
+select c.id, c.name
+from mail.campaign c
+where c.status = 'scheduled' and (%(name)s::text is null or c.name = %(name)s)
+  and not exists (select 1 from mail.reputation_guard g
+                  where g.state = 'tripped' and (g.scope = 'account' or (g.scope = 'campaign' and g.name = c.name)))
+order by c.id
+for update of c
+
 -- name: unpause
 -- Set one guard-paused campaign back to scheduled, with its event (guarded on paused). Used when no
 -- re-planning resume is given; the CLI and the DAG re-plan overdue rows instead (control.resume).
