@@ -203,8 +203,24 @@ class Dispatcher:
         self.account: str | None = None  # the sending client's provider account (the reputation guard's scope)
         self.guard_config: reputation.GuardConfig | None = None  # its guard settings (dispatch reads them once)
         self.claiming: str | None = None  # the campaign of the claim in progress (see claim)
+        self._guard_conn: psycopg.Connection | None = None
         # each campaign's recipient source, composed once per dispatch call (None: keep the snapshot)
         self.sources: dict[str, pgsql.Composable | None] = {}
+
+    @property
+    def guard_conn(self) -> psycopg.Connection:
+        """The reputation guard's own connection (autocommit, opened on first use with the claim connection's
+        parameters): its grants commit at once, outside the claim's transaction."""
+        if self._guard_conn is None or self._guard_conn.closed:
+            info = self.conn.info
+            self._guard_conn = psycopg.connect(info.dsn, password=info.password or None, autocommit=True)
+        return self._guard_conn
+
+    def close(self) -> None:
+        """Close the guard's connection (the claim connection is the caller's)."""
+        if self._guard_conn is not None:
+            self._guard_conn.close()
+            self._guard_conn = None
 
     def due_wait(self, coalesce: float) -> float | None:
         with self.conn.transaction():
@@ -262,16 +278,24 @@ class Dispatcher:
                     self.who, list(decided), [d[0] for d in decided.values()],
                     [d[1] for d in decided.values()], [d[2] for d in decided.values()])
             go = [r for r in picked if int(r[0]) not in decided]
+            granted = 0
             if go:
-                # the reputation guard's exposure bound, in this transaction: a scope whose rates are not
-                # known yet sends at most E emails a round; the rest stay pending, in plan order
-                go = go[:reputation.admit(self.conn, str(crow["name"]), len(go), account=self.account,
-                                          config=self.guard_config).granted]
+                # the reputation guard's exposure bound: a scope whose rates are not known yet sends at most
+                # E emails a round; the rest stay pending, in plan order. Granted on the guard's own
+                # connection, committed at once, so a claim in progress never holds the guard's rows (two
+                # dispatchers never wait on each other); given back below if this claim does not send them
+                granted = reputation.admit(self.guard_conn, str(crow["name"]), len(go), account=self.account,
+                                           config=self.guard_config).granted
+                go = go[:granted]
             found: list[Any] = []
-            if go:
-                addrs = [normalise_address(r[2]) for r in go]
-                found = ScheduledStore(self.conn).claim_rows(
-                    self.who, [int(r[0]) for r in go], [a.send for a in addrs], [a.key for a in addrs])
+            try:
+                if go:
+                    addrs = [normalise_address(r[2]) for r in go]
+                    found = ScheduledStore(self.conn).claim_rows(
+                        self.who, [int(r[0]) for r in go], [a.send for a in addrs], [a.key for a in addrs])
+            finally:
+                if granted > len(found):
+                    reputation.refund(self.guard_conn, str(crow["name"]), granted - len(found), account=self.account)
             counts: dict[str, int] = {}
             for st, _, _at in decided.values():
                 k = "deferred" if st == "pending" else st

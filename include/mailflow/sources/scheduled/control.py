@@ -21,7 +21,6 @@ from mailflow.sources.scheduled.campaign_db import (
     record_event,
 )
 from mailflow.sources.scheduled.holds import campaign_holds
-from mailflow.sources.scheduled.planning import plan_after, plan_spec
 from mailflow.sources.scheduled.replan import replan_locked, replan_overdue
 from mailflow.store import reputation, test_emails
 from mailflow.store.scheduled import ScheduledStore

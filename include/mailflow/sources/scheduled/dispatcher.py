@@ -287,6 +287,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                 drain()
         finally:
             pipe.close()
+            d.close()
     summary.completed = complete(conn, actor=actor_name(run, "dispatcher"))
     with conn.transaction():  # why each campaign that does not send is held (the metrics' gauges)
         summary.held = hold_states(conn)
