@@ -76,7 +76,7 @@ def test_held_campaigns_reach_statsd_as_gauges_per_kind(statsd: socket.socket) -
     how many campaigns are held for each reason."""
     metrics.campaign_holds({"spring": {"kind": "guard_account", "reason": "reputation guard tripped (account a)"},
                             "autumn": None}, "dispatch_scheduled_emails")
-    kinds = ("paused", "guard_account", "guard_campaign", "canary")
+    kinds = ("paused", "guard_account", "guard_campaign", "guard_waiting", "canary")
     expected = [f"airflow.mailflow.campaign.spring.hold.{k}:{int(k == 'guard_account')}|g" for k in kinds]
     expected += [f"airflow.mailflow.campaign.autumn.hold.{k}:0|g" for k in kinds]
     expected += [f"airflow.mailflow.campaigns.held.{k}:{int(k == 'guard_account')}|g" for k in kinds]
