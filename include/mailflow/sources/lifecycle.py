@@ -264,8 +264,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             campaign, window, cooldown_since, after=cursor, limit=limit, run=run,
             interval=(interval.start, interval.end), prepare=prepare,
         )
-        if state.admit is not None and (unused := limit - (len(minted.batch.row_ids) if minted.batch else 0)) > 0:
-            reputation.refund(store.conn, campaign.name, unused, account=state.account)  # type: ignore[attr-defined]
+        _give_back(store, state, campaign.name, limit - (len(minted.batch.row_ids) if minted.batch else 0))
         if minted.page_size == 0:
             return
         cursor = minted.cursor
@@ -287,6 +286,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             applied = release_unsent(store, chunk, why, run)
             summary.released += applied.released
             summary.unknown += applied.unknown
+            _give_back(store, state, campaign.name, applied.released)
             if state.stop is not None:
                 summary.stopped = state.stop
             return
@@ -326,6 +326,14 @@ def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, 
             state.evaluate([name])
 
 
+def _give_back(store: Store, state: _RunState, campaign: str, n: int) -> None:
+    """Give the reputation guard back ``n`` emails it granted that were not sent and will never have an
+    outcome (not minted, rolled back, rejected by the provider): an exposure round counts the emails that
+    await outcomes, and waits for as many outcomes as it counts."""
+    if state.admit is not None and n > 0:
+        reputation.refund(store.conn, campaign, n, account=state.account)  # type: ignore[attr-defined]
+
+
 def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState) -> None:
     """Collect the chunk in flight (if any), count it in its campaign's summary, note a stop."""
     done = pipe.collect()
@@ -338,6 +346,7 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
     summary.failed += applied.failed
     summary.released += applied.released
     summary.unknown += applied.unknown
+    _give_back(store, state, summary.campaign, applied.released + applied.failed)
     log.info("%s chunk (%s): %d emails -> %d sent, %d rejected, %d rolled back, %d unknown%s",
              summary.campaign, batch.idempotency_key, len(batch.row_ids), applied.sent,
              applied.failed, applied.released, applied.unknown,

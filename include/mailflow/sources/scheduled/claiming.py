@@ -255,6 +255,7 @@ class Dispatcher:
                 addrs = [normalise_address(r[2]) for r in go]
                 found = ScheduledStore(self.conn).claim_rows(
                     self.who, [int(r[0]) for r in go], [a.send for a in addrs], [a.key for a in addrs])
+                self.give_back(str(crow["name"]), len(go) - len(found))  # granted, not claimed
             counts: dict[str, int] = {}
             for st, _, _at in decided.values():
                 k = "deferred" if st == "pending" else st
@@ -285,6 +286,7 @@ class Dispatcher:
             if bad:
                 self.conn.execute(query("send_log", "mark_failed"), self.who | {
                     "ids": list(bad), "msgs": list(bad.values())})
+                self.give_back(campaign.name, len(bad))  # granted, never sent
             if batch is not None:
                 batch = self.store.save_batch(batch)
         if bad:
@@ -292,6 +294,13 @@ class Dispatcher:
                       "; ".join(f"row {i}: {m}" for i, m in bad.items()))
         return suppressed, Claim(campaign, rows, attempts, batch, len(bad), list(bad.values()), counts,
                                  readdressed, gone)
+
+    def give_back(self, campaign: str, n: int) -> None:
+        """Give the reputation guard back ``n`` emails of ``campaign`` it granted that were not sent and will
+        never have an outcome (not claimed, failed to render, rolled back, rejected by the provider): an
+        exposure round waits for as many outcomes as it counts (:func:`mailflow.store.reputation.refund`)."""
+        if n > 0:
+            reputation.refund(self.conn, campaign, n, account=self.account)
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:
