@@ -77,6 +77,24 @@ def test_dispatcher_re_evaluates_a_waiting_account_scope(rig: Rig, monkeypatch: 
     assert guard(rig.db, "account", account)["round_sent"] == 50
 
 
+
+def test_dispatcher_re_evaluates_a_waiting_account_scope_of_another_name(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the lifecycle workers name the account otherwise (MAILFLOW_GUARD_ACCOUNT set only there) and their
+    # round waits for outcomes that never come: that scope holds the claim statements too, so the
+    # dispatcher must re-evaluate it as well
+    monkeypatch.setenv("MAILFLOW_GUARD_OUTCOME_WAIT_MINUTES", "0.01")  # 0.6 s
+    provisioned(rig, 20)
+    rig.db.execute("insert into mail.reputation_guard (scope, name, proven, seen) values ('campaign', 'outreach_test',"
+                   " true, '{}'::jsonb), ('account', %s, true, '{}'::jsonb)", (rig.emulator.base_url,))
+    rig.db.execute("insert into mail.reputation_guard (scope, name, seen, round_sent, round_outcomes, waiting,"
+                   " last_grant_at) values ('account', 'lifecycle-workers', '{}'::jsonb, 100, 0, true,"
+                   " now() - interval '1 second')")
+
+    assert rig.dispatch(batch_size=50).sent == 20
+    assert guard(rig.db, "account", "lifecycle-workers")["waiting"] is False
+
+
 def test_a_counter_seed_does_not_start_a_new_round(db: psycopg.Connection) -> None:
     # an installation upgraded with a live send log: the counters hold only the changes since migration 0028
     # until the first fold seeds them with a full count. A round that started before the seed must not

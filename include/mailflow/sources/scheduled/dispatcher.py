@@ -135,6 +135,9 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     if waiting:  # a round whose outcomes stopped coming starts again after the guard's outcome wait
         reputation.evaluate(conn, [name for scope, name in waiting if scope == "campaign"], account=d.account,
                             config=d.guard_config)
+        # an account scope another process names otherwise holds the claim statements too: evaluated here
+        for other in sorted({name for scope, name in waiting if scope == "account"} - {d.account}):
+            reputation.evaluate(conn, [], account=other)
 
     def pause_campaign(name: str, reason: str) -> None:
         """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""
