@@ -256,7 +256,8 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             return
         limit = chunk_size
         if state.admit is not None:
-            granted = _admitted(campaign.name, chunk_size, summary, deadline, clock, state)
+            granted = _admitted(campaign.name, chunk_size, summary, deadline, clock, state,
+                                settle=partial(_drain, store, pipe, run, state))
             if granted is None:
                 return
             limit = granted
@@ -301,13 +302,16 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
 
 
 def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, clock: Clock,
-              state: _RunState) -> int | None:
+              state: _RunState, settle: Callable[[], None]) -> int | None:
     """How many emails of the next chunk the reputation guard lets go (1..asked), or None when the campaign
     stops: tripped (``summary.stopped`` names the trip), or its exposure round stays spent until the budget
-    runs out (``summary.stopped`` says it waited for outcomes). While the round is spent the run waits,
-    asking the guard again every second (its evaluation starts a new round once the outcomes are in):
-    sending ramps with the feedback instead of outrunning it."""
+    runs out (``summary.stopped`` says it waited for outcomes), or the chunk in flight stopped it. While the
+    round is spent the run waits, asking the guard again every second (its evaluation starts a new round
+    once the outcomes are in): sending ramps with the feedback instead of outrunning it. Before the first
+    wait ``settle`` applies the chunk in flight: until its rows are ``sent`` their outcomes cannot be
+    matched, and the round would wait for its own last chunk."""
     assert state.admit is not None
+    settled = False
     while True:
         admission = state.admit(name, asked)
         if admission.reason is not None:
@@ -316,6 +320,14 @@ def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, 
             return None
         if admission.granted > 0:
             return admission.granted
+        if not settled:
+            settled = True
+            settle()
+            if state.halted(name):  # the chunk in flight stopped the run, or this campaign
+                if state.stop is not None:
+                    summary.stopped = state.stop
+                return None
+            continue
         if clock.monotonic() + 1.0 >= deadline:
             summary.stopped = f"time budget while waiting for outcomes: {admission.waiting}"
             log.warning("%s: stopped: %s", name, summary.stopped)

@@ -7,7 +7,10 @@ written straight into mail.delivery_status (the webhook applier's job), as in te
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +30,9 @@ from mailflow.feedback.webhook_ingest import guard_reputation
 from mailflow.model.outcome import SendError
 from mailflow.sources.lifecycle import run_lifecycle
 from mailflow.store import reputation
+from mailflow.store.migrate import migrate
 from mailflow.store.send_log import PostgresStore
+from mailflow_dev import devenv
 
 
 @pytest.fixture
@@ -119,6 +124,35 @@ def test_a_counter_seed_does_not_start_a_new_round(db: psycopg.Connection) -> No
     emails(db, "welcome", 70, first_user=600_000)  # the round's last 70 outcomes: now it is over
     reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
     assert guard(db, "campaign", "welcome")["waiting"] is False
+
+
+def test_a_waiting_lifecycle_run_applies_its_chunk_in_flight_first(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pipelined without a second connection, the last chunk of a round is answered but applied only when it
+    # is collected: while the run waits for the round's outcomes, that chunk's rows stay 'sending' and its
+    # outcomes cannot be matched (the receiver keeps them pending), so the round waited for itself until the
+    # budget. A webhook receiver stands in: it records an outcome for every email that is 'sent'.
+    monkeypatch.setenv("MAILFLOW_GUARD_EXPOSURE", "120")
+    rig.users(400, start=1, plan="pro")
+    campaign = simple_campaign("welcome", 1, "user_id <= 400")
+    stop = threading.Event()
+
+    def receiver() -> None:
+        with psycopg.connect(rig.dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                _outcomes(conn, "campaign = 'welcome' and id not in (select send_log_id from mail.delivery_status)")
+                guard_reputation(conn, ["welcome"])
+                time.sleep(0.2)
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    try:
+        [summary] = run_lifecycle(PostgresStore(rig.conn()), rig.client(), rig.renderer(), [campaign], INTERVAL,
+                                  run=LIFECYCLE_RUN, chunk_size=50, budget_seconds=8, pipelined=True)
+    finally:
+        stop.set()
+        t.join(10)
+    assert summary.sent == 400, summary.stopped
+    assert summary.waited < 8
 
 
 # -- the account scope's name ----------------------------------------------------------------------------
@@ -234,6 +268,31 @@ def test_grants_of_emails_the_provider_did_not_take_are_given_back_lifecycle(
     assert (first.sent, guard(rig.db, "campaign", "welcome")["round_sent"]) == (120, 120)
     _outcomes(rig.db, "campaign = 'welcome'")
     assert run().sent == 120
+
+
+# -- the upgrade ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh(pg_admin_dsn: str) -> Iterator[str]:
+    """An empty database (no schema mail), dropped afterwards."""
+    name = f"mailflow_guard_{uuid.uuid4().hex[:8]}"
+    dsn = devenv.create_database(pg_admin_dsn, name, exist_ok=False)
+    yield dsn
+    devenv.drop_database(pg_admin_dsn, name)
+
+
+def test_0033_proves_only_scopes_whose_window_held_what_the_gross_test_needs(fresh: str) -> None:
+    # a scope proven by the upgrade has no exposure bound; the new tests prove one after ~300 clean outcomes
+    # (bounces) AND ~1,280 clean deliveries (gross complaints): a window of 600 outcomes is not that evidence
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=32)
+        conn.execute("insert into mail.reputation_guard (scope, name, state, hard_bounce_rate, complaint_rate, sample)"
+                     " values ('campaign', 'small', 'ok', 0.005, 0, 600), ('campaign', 'large', 'ok', 0.005, 0, 1500),"
+                     " ('campaign', 'bouncy', 'ok', 0.03, 0, 4000)")
+        migrate(conn)
+        proven = dict(conn.execute("select name, proven from mail.reputation_guard").fetchall())
+    assert proven == {"small": False, "large": True, "bouncy": False}
 
 
 # -- operator input -------------------------------------------------------------------------------------
