@@ -567,8 +567,10 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
 
 
 def refund(conn: psycopg.Connection, campaign: str, n: int, *, account: str | None = None) -> None:
-    """Give back ``n`` emails granted by :func:`admit` that were not sent (held, duplicates, an empty
-    page): the rounds of the campaign's scope and the account's shrink by them (never below 0)."""
+    """Give back ``n`` emails granted by :func:`admit` that were not sent and will never have an outcome
+    (held, duplicates, an empty page, rolled back, rejected by the provider): the rounds of the campaign's
+    scope and the account's shrink by them (never below 0), so a round waits only for outcomes that can
+    come."""
     if n <= 0:
         return
     with conn.transaction():
