@@ -515,6 +515,10 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
     marked ``waiting`` (the dispatcher's claim statements skip its campaigns) until :func:`evaluate` starts a
     new round. The scopes' rows are locked (account first) until the caller's transaction ends: call it in
     the transaction that mints or claims the rows, or give back what was not used with :func:`refund`.
+    While both scopes are proven the locks are shared (nothing is counted): concurrent senders never wait
+    on each other, and an evaluation that trips a scope waits for the caller's transaction (so a claim
+    never sends past a trip it could have seen). A scope that is not proven counts every grant under an
+    exclusive lock: its senders take turns for the length of a claim.
 
     :param account: the sender's provider account (:func:`guard_account`).
     :returns: an :class:`Admission`; ``granted <= asked``.
@@ -527,6 +531,16 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
         keys = [("account", acct), ("campaign", campaign)]
         params = {"scopes": [s for s, _ in keys], "names": [n for _, n in keys], "every": 0}
         with conn.cursor(row_factory=dict_row) as cur:
+            looked = cur.execute(query("reputation", "read_scopes"), params).fetchall()
+            if len(looked) == len(keys) and all(r["proven"] for r in looked):
+                # both proven: nothing to count. Shared locks (senders never wait on each other; an
+                # evaluation that trips or unproves a scope waits for this transaction, and it for one).
+                with conn.transaction() as shared:
+                    held = cur.execute(query("reputation", "share_scopes"), params).fetchall()
+                    if len(held) == len(keys) and all(r["proven"] for r in held):
+                        other = _blocked_reason(conn, campaign)
+                        return Admission(0, reason=other) if other is not None else Admission(asked)
+                    raise psycopg.Rollback(shared)  # unproven meanwhile: count under the exclusive lock below
             rows = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), params)}
             if len(rows) < len(keys):  # a scope's first email
                 _ensure(conn, keys, sending=config.complaint_lag)

@@ -220,6 +220,10 @@ def test_two_concurrent_dispatchers_send_every_row_exactly_once(rig: Rig) -> Non
 
 def test_a_dispatcher_skips_rows_another_holds_without_waiting(rig: Rig) -> None:
     provisioned(rig, 6)
+    # the campaign's and the account's rates are known (the reputation guard holds them share-locked: an
+    # unproven scope's exposure count is the one thing two claims take turns on, test_reputation_faults)
+    rig.db.execute("insert into mail.reputation_guard (scope, name, proven, seen) values"
+                   " ('account', 'default', true, '{}'::jsonb), ('campaign', 'outreach_test', true, '{}'::jsonb)")
     a, b = rig.conn(), rig.conn()
     b.execute("set lock_timeout = '1s'")
     b.commit()

@@ -19,6 +19,7 @@ import pytest
 from lifecycle_rig import INTERVAL, simple_campaign
 from lifecycle_rig import RUN as LIFECYCLE_RUN
 from scheduled_rig import (
+    RUN,
     Rig,
     provisioned,
     rig,  # noqa: F401  (fixture)
@@ -29,6 +30,7 @@ from mailflow.cli import main as mailflow_cli
 from mailflow.feedback.webhook_ingest import guard_reputation
 from mailflow.model.outcome import SendError
 from mailflow.sources.lifecycle import run_lifecycle
+from mailflow.sources.scheduled import claiming
 from mailflow.store import reputation
 from mailflow.store.migrate import migrate
 from mailflow.store.send_log import PostgresStore
@@ -153,6 +155,64 @@ def test_a_waiting_lifecycle_run_applies_its_chunk_in_flight_first(rig: Rig, mon
         t.join(10)
     assert summary.sent == 400, summary.stopped
     assert summary.waited < 8
+
+
+# -- concurrent senders ------------------------------------------------------------------------------------
+
+
+def test_claims_of_an_unproven_scope_take_turns_and_count_every_grant(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # two dispatchers claim at once for a campaign whose rates are not known: the second waits for the first
+    # claim's count (not for its rows), then gets what is left of the round, never more
+    monkeypatch.setenv("MAILFLOW_GUARD_EXPOSURE", "6")
+    provisioned(rig, 10)
+    rig.db.execute("insert into mail.reputation_guard (scope, name, seen) values"
+                   " ('account', 'default', '{}'::jsonb), ('campaign', 'outreach_test', '{}'::jsonb)")
+    a, b = rig.conn(), rig.conn()
+    renderer = rig.renderer()
+    da = claiming.Dispatcher(a, renderer, RUN, batch_size=4)
+    db_ = claiming.Dispatcher(b, renderer, RUN, batch_size=4)
+    got: list[Any] = []
+    with a.transaction():
+        _, ca = da.claim()
+        t = threading.Thread(target=lambda: got.append(db_.claim()))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()  # B waits for A's count
+    t.join(10)
+    b.commit()
+    [(_, cb)] = got
+    assert (len(ca.rows), len(cb.rows)) == (4, 2)
+    assert {r.id for r in ca.rows} & {r.id for r in cb.rows} == set()
+    assert guard(rig.db, "campaign", "outreach_test")["round_sent"] == 6
+
+
+def test_a_trip_waits_for_a_claim_that_holds_a_proven_scope(rig: Rig) -> None:
+    # claims of proven scopes do not wait on each other, but a trip does wait for a claim in progress (and
+    # the next claim for the trip): no claim sends past a trip it could have seen
+    provisioned(rig, 8)
+    zero = '{"sent": 0, "with_outcome": 0, "hard": 0, "complaints": 0, "delivered": 0, "seeded": true}'
+    rig.db.execute("insert into mail.reputation_guard (scope, name, proven, seen) values"
+                   " ('account', 'default', true, %s::jsonb), ('campaign', 'outreach_test', true, %s::jsonb)",
+                   (zero, zero))
+    emails(rig.db, "outreach_test", 100, hard=30, kind="scheduled")
+    a, e = rig.conn(), rig.conn()
+    e.autocommit = True
+    da = claiming.Dispatcher(a, rig.renderer(), RUN, batch_size=4)
+    trips: list[Any] = []
+    with a.transaction():
+        _, ca = da.claim()
+        assert ca is not None and len(ca.rows) == 4
+        t = threading.Thread(target=lambda: trips.append(
+            reputation.evaluate(e, ["outreach_test"], config=CONFIG, account="default")))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()  # the trip waits for the claim holding the scope
+    t.join(10)
+    a.commit()
+    assert sorted(x.scope for x in trips[0]) == ["account", "campaign"]
+    _, after = da.claim()
+    a.commit()
+    assert after is None  # tripped: nothing more is picked
 
 
 # -- the account scope's name ----------------------------------------------------------------------------

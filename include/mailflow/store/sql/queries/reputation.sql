@@ -47,6 +47,21 @@ where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::
 order by g.scope = 'account' desc, g.name
 for update of g
 
+-- name: read_scopes
+-- The guard rows of the scopes, not locked (admit's first look: are both proven?).
+select g.scope, g.name, g.proven
+from mail.reputation_guard g
+where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
+
+-- name: share_scopes
+-- The guard rows of the scopes, share-locked in lock_scopes' order: senders of proven scopes hold them
+-- together; an evaluation's lock_scopes (FOR UPDATE) waits for them, and they for it.
+select g.scope, g.name, g.proven
+from mail.reputation_guard g
+where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
+order by g.scope = 'account' desc, g.name
+for share of g
+
 -- name: campaign_counts
 -- The outcome counters now, per campaign (mail.campaign_counts: folded counts plus the unfolded deltas),
 -- in the order of `keys`: the campaigns `names`, or every campaign when `names` is null (the account's
@@ -95,10 +110,12 @@ where scope = %(scope)s and name = %(name)s and not proven
 -- name: refund
 -- Give back emails granted but not sent, in the campaign's and the account's rounds. The rows are locked
 -- first in lock_scopes' order (account, then campaign): an UPDATE of both would lock them in scan order
--- and could deadlock with a concurrent admit.
+-- and could deadlock with a concurrent admit. A proven scope has no round and is not locked (a claim
+-- holds it share-locked: upgrading that lock could deadlock with another claim's).
 with locked as materialized (
     select g.scope, g.name from mail.reputation_guard g
-    where (g.scope = 'campaign' and g.name = %(campaign)s) or (g.scope = 'account' and g.name = %(account)s)
+    where ((g.scope = 'campaign' and g.name = %(campaign)s) or (g.scope = 'account' and g.name = %(account)s))
+      and not g.proven
     order by g.scope = 'account' desc, g.name
     for update of g
 )
