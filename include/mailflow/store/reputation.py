@@ -462,9 +462,18 @@ def _update(conn: psycopg.Connection, row: dict[str, Any], now_counts: dict[str,
     if proven or was_proven:
         # proven: no bound; just lost the proof: a fresh round counts from here
         round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
-    elif round_sent > 0 and (now_counts["with_outcome"] - int(round_outcomes or 0) >= round_sent
-                             or (last_grant is not None and now - float(last_grant) >= config.outcome_wait.total_seconds())):
-        round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
+    elif round_sent > 0:
+        came = now_counts["with_outcome"] - int(round_outcomes or 0)
+        timed_out = last_grant is not None and now - float(last_grant) >= config.outcome_wait.total_seconds()
+        if came < round_sent and timed_out:
+            # sending goes on without the evidence: say so (a dead feedback channel looks like this)
+            log.warning("reputation guard (%s %s): %d of its round's %d emails still have no outcome after the "
+                        "outcome wait (%s); a new round starts%s", row["scope"], row["name"], round_sent - max(came, 0),
+                        round_sent, config.outcome_wait,
+                        ": no outcome arrived at all; are the webhooks and the deliverability poll running?"
+                        if came <= 0 else "")
+        if came >= round_sent or timed_out:
+            round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
     reason = None
     over = []
     line_b, line_c = _pct(config.hard_bounce_rate), _pct(config.complaint_rate)

@@ -65,6 +65,20 @@ def test_outcome_wait_is_not_reset_by_asks_the_guard_refused(db: psycopg.Connect
     assert 4 <= len(granted) <= 9  # about 0.6 s of refusals, then a new round
 
 
+def test_a_round_ended_by_the_outcome_wait_says_its_outcomes_never_came(db: psycopg.Connection,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # the outcome wait lets sending go on without evidence (a dropped webhook must not hold a campaign
+    # forever); with no outcome at all the feedback channel is likely down: the operator must hear of it
+    cfg = dataclasses.replace(CONFIG, exposure=100, outcome_wait=timedelta(milliseconds=300))
+    assert reputation.admit(db, "welcome", 100, account=ACCOUNT, config=cfg).granted == 100
+    time.sleep(0.4)
+    with caplog.at_level("WARNING", logger="mailflow.store.reputation"):
+        reputation.evaluate(db, ["welcome"], config=cfg, account=ACCOUNT)
+    assert ("reputation guard (campaign welcome): 100 of its round's 100 emails still have no outcome after the "
+            "outcome wait (0:00:00.300000); a new round starts: no outcome arrived at all; are the webhooks and the "
+            "deliverability poll running?") in caplog.text
+
+
 def test_dispatcher_re_evaluates_a_waiting_account_scope(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     # the campaign is proven but the account (resumed, say) is not: the account's round is spent and its
     # outcomes never come. The claim statements skip every campaign while an account waits, so only an
