@@ -256,7 +256,8 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             return
         limit = chunk_size
         if state.admit is not None:
-            granted = _admitted(campaign.name, chunk_size, summary, deadline, clock, state)
+            granted = _admitted(campaign.name, chunk_size, summary, deadline, clock, state,
+                                settle=partial(_drain, store, pipe, run, state))
             if granted is None:
                 return
             limit = granted
@@ -264,8 +265,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             campaign, window, cooldown_since, after=cursor, limit=limit, run=run,
             interval=(interval.start, interval.end), prepare=prepare,
         )
-        if state.admit is not None and (unused := limit - (len(minted.batch.row_ids) if minted.batch else 0)) > 0:
-            reputation.refund(store.conn, campaign.name, unused, account=state.account)  # type: ignore[attr-defined]
+        _give_back(store, state, campaign.name, limit - (len(minted.batch.row_ids) if minted.batch else 0))
         if minted.page_size == 0:
             return
         cursor = minted.cursor
@@ -287,6 +287,7 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
             applied = release_unsent(store, chunk, why, run)
             summary.released += applied.released
             summary.unknown += applied.unknown
+            _give_back(store, state, campaign.name, applied.released)
             if state.stop is not None:
                 summary.stopped = state.stop
             return
@@ -301,13 +302,16 @@ def _run_campaign(store: Store, provider: BatchProvider, renderer: Renderer, cam
 
 
 def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, clock: Clock,
-              state: _RunState) -> int | None:
+              state: _RunState, settle: Callable[[], None]) -> int | None:
     """How many emails of the next chunk the reputation guard lets go (1..asked), or None when the campaign
     stops: tripped (``summary.stopped`` names the trip), or its exposure round stays spent until the budget
-    runs out (``summary.stopped`` says it waited for outcomes). While the round is spent the run waits,
-    asking the guard again every second (its evaluation starts a new round once the outcomes are in):
-    sending ramps with the feedback instead of outrunning it."""
+    runs out (``summary.stopped`` says it waited for outcomes), or the chunk in flight stopped it. While the
+    round is spent the run waits, asking the guard again every second (its evaluation starts a new round
+    once the outcomes are in): sending ramps with the feedback instead of outrunning it. Before the first
+    wait ``settle`` applies the chunk in flight: until its rows are ``sent`` their outcomes cannot be
+    matched, and the round would wait for its own last chunk."""
     assert state.admit is not None
+    settled = False
     while True:
         admission = state.admit(name, asked)
         if admission.reason is not None:
@@ -316,6 +320,14 @@ def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, 
             return None
         if admission.granted > 0:
             return admission.granted
+        if not settled:
+            settled = True
+            settle()
+            if state.halted(name):  # the chunk in flight stopped the run, or this campaign
+                if state.stop is not None:
+                    summary.stopped = state.stop
+                return None
+            continue
         if clock.monotonic() + 1.0 >= deadline:
             summary.stopped = f"time budget while waiting for outcomes: {admission.waiting}"
             log.warning("%s: stopped: %s", name, summary.stopped)
@@ -324,6 +336,14 @@ def _admitted(name: str, asked: int, summary: CampaignSummary, deadline: float, 
         clock.sleep(1.0)
         if state.evaluate is not None:
             state.evaluate([name])
+
+
+def _give_back(store: Store, state: _RunState, campaign: str, n: int) -> None:
+    """Give the reputation guard back ``n`` emails it granted that were not sent and will never have an
+    outcome (not minted, rolled back, rejected by the provider): an exposure round counts the emails that
+    await outcomes, and waits for as many outcomes as it counts."""
+    if state.admit is not None and n > 0:
+        reputation.refund(store.conn, campaign, n, account=state.account)  # type: ignore[attr-defined]
 
 
 def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState) -> None:
@@ -338,6 +358,7 @@ def _drain(store: Store, pipe: ChunkPipeline, run: RunContext, state: _RunState)
     summary.failed += applied.failed
     summary.released += applied.released
     summary.unknown += applied.unknown
+    _give_back(store, state, summary.campaign, applied.released + applied.failed)
     log.info("%s chunk (%s): %d emails -> %d sent, %d rejected, %d rolled back, %d unknown%s",
              summary.campaign, batch.idempotency_key, len(batch.row_ids), applied.sent,
              applied.failed, applied.released, applied.unknown,

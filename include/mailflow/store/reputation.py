@@ -75,6 +75,8 @@ SCOPES = ("campaign", "account")
 HEALTHY_FRACTION = 4.0
 #: H1 of the gross-complaint test is the complaint line times this.
 GROSS_FACTOR = 10.0
+#: The smallest E an account's setting may hold (mail.reputation_setting's check: one full batch).
+MIN_SETTING_EXPOSURE = 100
 #: Obsolete settings of the windowed guard: ignored, with a warning.
 _OBSOLETE = ("MAILFLOW_GUARD_MIN_SAMPLE", "MAILFLOW_GUARD_MAX_SAMPLE", "MAILFLOW_GUARD_WINDOW_HOURS")
 
@@ -213,6 +215,10 @@ def set_config(conn: psycopg.Connection, account: str, actor: str, **values: flo
         raise ValueError(f"unknown reputation setting(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
     if not actor.strip():
         raise ValueError("a setting is a person's decision: name who sets it")
+    exposure = values.get("exposure")
+    if exposure is not None and exposure < MIN_SETTING_EXPOSURE:
+        raise ValueError(f"reputation setting of account {account}: exposure must be at least {MIN_SETTING_EXPOSURE} "
+                         f"emails (one full batch), got {exposure!r}")
     probe: dict[str, Any] = {k: v for k, v in values.items() if v is not None and k != "complaint_lag_hours"}
     if values.get("complaint_lag_hours") is not None:
         probe["complaint_lag"] = timedelta(hours=float(values["complaint_lag_hours"] or 0))
@@ -242,8 +248,10 @@ class Trip:
 
 def guard_account(conn: psycopg.Connection, sender: str | None = None) -> str:
     """The provider account the account scope is named after: ``MAILFLOW_GUARD_ACCOUNT`` if set, else
-    ``sender`` (a sender's own account, :func:`mailflow.provider.breaker.breaker_account`), else the
-    pacer's account that claimed a slot last (``mail.rate_slot``; what the webhook receiver uses), else
+    ``sender`` (a sender's own account, :func:`mailflow.provider.breaker.breaker_account`). A caller without
+    a provider (the webhook receiver, the feedback task) takes the account scope the senders were granted
+    emails on last (``mail.reputation_guard.last_grant_at``: the name the senders use, whatever their
+    pacer or environment), else the pacer's account that claimed a slot last (``mail.rate_slot``), else
     ``"default"`` (the breaker's name for an account without a pacer)."""
     configured = os.environ.get("MAILFLOW_GUARD_ACCOUNT", "").strip()
     if configured:
@@ -314,24 +322,33 @@ def _counts(conn: psycopg.Connection, names: list[str], account: str | None) -> 
     return out, seeded
 
 
-def _ensure(conn: psycopg.Connection, scopes: list[tuple[str, str]], *, sending: bool = False) -> None:
+def _ensure(conn: psycopg.Connection, scopes: list[tuple[str, str]], *, sending: timedelta | None = None) -> None:
     """Create the guard rows not seen before, their baseline at zero: a scope first seen counts its
     campaign's (or the account's) whole history in its first evaluation, so a campaign sent before the
     guard knew it is judged on everything it has, its deliveries as old ones (they lived the complaint lag:
-    an upgrade must not trip a campaign on its old complaints). A row created by a sender (``sending``:
-    :func:`admit`, before the scope's first email) gets its first complaint-lag mark now, so what it sends
-    from here on counts as fresh."""
+    an upgrade must not trip a campaign on its old complaints). A row created by a sender (``sending``, the
+    complaint lag: :func:`admit`, before the scope's first email) gets complaint-lag marks now: what was
+    delivered before counts as having lived the lag (an account scope under a new name has the whole send
+    log's history), and what it sends from here on counts as fresh."""
     have = {(r[0], r[1]) for r in conn.execute(query("reputation", "existing"), {
         "scopes": [s for s, _ in scopes], "names": [n for _, n in scopes]}).fetchall()}
-    missing = [s for s in scopes if s not in have]
+    # created in lock_scopes' order (account first, then campaigns by name), like every locker's
+    missing = sorted((s for s in scopes if s not in have), key=lambda k: (k[0] != "account", k[1]))
     if not missing:
         return
     seeded = bool(conn.execute(query("counters", "seeded")).fetchone()[0])  # type: ignore[index]
     zero = {**{k: 0 for k in COUNTER_KEYS.values()}, "seeded": seeded}
-    marks = [[float(conn.execute(query("reputation", "now")).fetchone()[0]), 0.0]] if sending else []  # type: ignore[index]
+    marks: dict[tuple[str, str], list[list[float]]] = {k: [] for k in missing}
+    if sending is not None:
+        now = float(conn.execute(query("reputation", "now")).fetchone()[0])  # type: ignore[index]
+        acct = next((n for s, n in missing if s == "account"), None)
+        counts, _ = _counts(conn, [n for s, n in missing if s == "campaign"], acct)
+        for k in missing:
+            history = float(counts[k]["delivered"])
+            marks[k] = [[now - sending.total_seconds(), history], [now, history]]
     conn.execute(query("reputation", "ensure_scopes"), {
         "scopes": [s for s, _ in missing], "names": [n for _, n in missing], "seen": [Jsonb(zero) for _ in missing],
-        "marks": [Jsonb(marks) for _ in missing]})
+        "marks": [Jsonb(marks[k]) for k in missing]})
 
 
 def evaluate(conn: psycopg.Connection, campaigns: Iterable[str], *, config: GuardConfig | None = None,
@@ -409,6 +426,11 @@ def _update(conn: psycopg.Connection, row: dict[str, Any], now_counts: dict[str,
     if not seen or bool(seen.get("seeded")) != seeded:
         # first sight, or the counters were seeded (a full recount): a new baseline, nothing counted
         gain = {k: 0 for k in COUNTER_KEYS.values()}
+        if seen and row["round_outcomes"] is not None:
+            # the round's outcomes so far, carried into the recount's units (the history the seed adds is
+            # not the round's)
+            row["round_outcomes"] = now_counts["with_outcome"] - (int(seen.get("with_outcome", 0))
+                                                                   - int(row["round_outcomes"]))
     else:
         gain = {k: max(0, now_counts[k] - int(seen.get(k, 0))) for k in COUNTER_KEYS.values()}
     outcomes, hard = gain["with_outcome"], gain["hard"]
@@ -440,9 +462,18 @@ def _update(conn: psycopg.Connection, row: dict[str, Any], now_counts: dict[str,
     if proven or was_proven:
         # proven: no bound; just lost the proof: a fresh round counts from here
         round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
-    elif round_sent > 0 and (now_counts["with_outcome"] - int(round_outcomes or 0) >= round_sent
-                             or (last_grant is not None and now - float(last_grant) >= config.outcome_wait.total_seconds())):
-        round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
+    elif round_sent > 0:
+        came = now_counts["with_outcome"] - int(round_outcomes or 0)
+        timed_out = last_grant is not None and now - float(last_grant) >= config.outcome_wait.total_seconds()
+        if came < round_sent and timed_out:
+            # sending goes on without the evidence: say so (a dead feedback channel looks like this)
+            log.warning("reputation guard (%s %s): %d of its round's %d emails still have no outcome after the "
+                        "outcome wait (%s); a new round starts%s", row["scope"], row["name"], round_sent - max(came, 0),
+                        round_sent, config.outcome_wait,
+                        ": no outcome arrived at all; are the webhooks and the deliverability poll running?"
+                        if came <= 0 else "")
+        if came >= round_sent or timed_out:
+            round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
     reason = None
     over = []
     line_b, line_c = _pct(config.hard_bounce_rate), _pct(config.complaint_rate)
@@ -493,6 +524,10 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
     marked ``waiting`` (the dispatcher's claim statements skip its campaigns) until :func:`evaluate` starts a
     new round. The scopes' rows are locked (account first) until the caller's transaction ends: call it in
     the transaction that mints or claims the rows, or give back what was not used with :func:`refund`.
+    While both scopes are proven the locks are shared (nothing is counted): concurrent senders never wait
+    on each other, and an evaluation that trips a scope waits for the caller's transaction (so a claim
+    never sends past a trip it could have seen). A scope that is not proven counts every grant under an
+    exclusive lock: its senders take turns for the length of a claim.
 
     :param account: the sender's provider account (:func:`guard_account`).
     :returns: an :class:`Admission`; ``granted <= asked``.
@@ -505,9 +540,19 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
         keys = [("account", acct), ("campaign", campaign)]
         params = {"scopes": [s for s, _ in keys], "names": [n for _, n in keys], "every": 0}
         with conn.cursor(row_factory=dict_row) as cur:
+            looked = cur.execute(query("reputation", "read_scopes"), params).fetchall()
+            if len(looked) == len(keys) and all(r["proven"] for r in looked):
+                # both proven: nothing to count. Shared locks (senders never wait on each other; an
+                # evaluation that trips or unproves a scope waits for this transaction, and it for one).
+                with conn.transaction() as shared:
+                    held = cur.execute(query("reputation", "share_scopes"), params).fetchall()
+                    if len(held) == len(keys) and all(r["proven"] for r in held):
+                        other = _blocked_reason(conn, campaign)
+                        return Admission(0, reason=other) if other is not None else Admission(asked)
+                    raise psycopg.Rollback(shared)  # unproven meanwhile: count under the exclusive lock below
             rows = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), params)}
             if len(rows) < len(keys):  # a scope's first email
-                _ensure(conn, keys, sending=True)
+                _ensure(conn, keys, sending=config.complaint_lag)
                 rows = {(r["scope"], r["name"]): r for r in cur.execute(query("reputation", "lock_scopes"), params)}
         for key in keys:
             r = rows[key]
@@ -515,6 +560,11 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
                 return Admission(0, reason=(
                     f"reputation guard tripped ({key[0]} {key[1]}) at {r['tripped_at']:%Y-%m-%d %H:%M:%S %Z}: "
                     f"{r['reason']}; a person resumes it (mailflow reputation resume --{key[0]} {key[1]})"))
+        # an account scope under another name (a process that names the account otherwise) stops this
+        # campaign as it stops the claim statements and blocked(): every account scope sums the same counters
+        other = _blocked_reason(conn, campaign)
+        if other is not None:
+            return Admission(0, reason=other)
         granted = asked
         for key in keys:
             if not rows[key]["proven"]:
@@ -540,8 +590,10 @@ def admit(conn: psycopg.Connection, campaign: str, asked: int, *, account: str |
 
 
 def refund(conn: psycopg.Connection, campaign: str, n: int, *, account: str | None = None) -> None:
-    """Give back ``n`` emails granted by :func:`admit` that were not sent (held, duplicates, an empty
-    page): the rounds of the campaign's scope and the account's shrink by them (never below 0)."""
+    """Give back ``n`` emails granted by :func:`admit` that were not sent and will never have an outcome
+    (held, duplicates, an empty page, rolled back, rejected by the provider): the rounds of the campaign's
+    scope and the account's shrink by them (never below 0), so a round waits only for outcomes that can
+    come."""
     if n <= 0:
         return
     with conn.transaction():
@@ -549,10 +601,16 @@ def refund(conn: psycopg.Connection, campaign: str, n: int, *, account: str | No
         conn.execute(query("reputation", "refund"), {"campaign": campaign, "account": acct, "n": n})
 
 
+def waiting_scopes(conn: psycopg.Connection) -> list[tuple[str, str]]:
+    """``(scope, name)`` of the scopes (campaigns and accounts) whose exposure round is spent: what the
+    dispatcher evaluates at each run so a round whose outcomes stopped coming starts again after
+    ``outcome_wait`` (the claim statements skip every campaign while an account waits)."""
+    return [(str(r[0]), str(r[1])) for r in conn.execute(query("reputation", "waiting")).fetchall()]
+
+
 def waiting_campaigns(conn: psycopg.Connection) -> list[str]:
-    """Campaign scopes (and, as ``""``, the account) whose exposure round is spent: what the dispatcher
-    evaluates at each run so a round whose outcomes stopped coming starts again after ``outcome_wait``."""
-    return [str(r[0]) for r in conn.execute(query("reputation", "waiting")).fetchall()]
+    """The campaigns of :func:`waiting_scopes`, by name."""
+    return [name for scope, name in waiting_scopes(conn) if scope == "campaign"]
 
 
 def operating_characteristics(rate: float, test: str = "bounce", config: GuardConfig | None = None) -> float:
@@ -569,7 +627,11 @@ def blocked(conn: psycopg.Connection, campaign: str) -> str | None:
     """Why ``campaign`` may not send now: its own scope or the provider account is tripped (the
     account's reason first); None when it may send. One indexed read of the tripped rows."""
     with conn.transaction():
-        row = conn.execute(query("reputation", "blocked"), {"campaign": campaign}).fetchone()
+        return _blocked_reason(conn, campaign)
+
+
+def _blocked_reason(conn: psycopg.Connection, campaign: str) -> str | None:
+    row = conn.execute(query("reputation", "blocked"), {"campaign": campaign}).fetchone()
     if row is None:
         return None
     scope, name, reason, tripped_at = row

@@ -294,8 +294,7 @@ class Dispatcher:
                     found = ScheduledStore(self.conn).claim_rows(
                         self.who, [int(r[0]) for r in go], [a.send for a in addrs], [a.key for a in addrs])
             finally:
-                if granted > len(found):
-                    reputation.refund(self.guard_conn, str(crow["name"]), granted - len(found), account=self.account)
+                self.give_back(str(crow["name"]), granted - len(found))  # granted, not claimed
             counts: dict[str, int] = {}
             for st, _, _at in decided.values():
                 k = "deferred" if st == "pending" else st
@@ -326,6 +325,7 @@ class Dispatcher:
             if bad:
                 self.conn.execute(query("send_log", "mark_failed"), self.who | {
                     "ids": list(bad), "msgs": list(bad.values())})
+                self.give_back(campaign.name, len(bad))  # granted, never sent
             if batch is not None:
                 batch = self.store.save_batch(batch)
         if bad:
@@ -357,6 +357,13 @@ class Dispatcher:
     def campaign_id(self, name: str) -> int:
         """The id of campaign ``name`` (read once per dispatch call)."""
         return int(self._campaign_row(name)["id"])
+
+    def give_back(self, campaign: str, n: int) -> None:
+        """Give the reputation guard back ``n`` emails of ``campaign`` it granted that were not sent and will
+        never have an outcome (not claimed, failed to render, rolled back, rejected by the provider): an
+        exposure round waits for as many outcomes as it counts (:func:`mailflow.store.reputation.refund`)."""
+        if n > 0:
+            reputation.refund(self.guard_conn, campaign, n, account=self.account)
 
     def _campaign_row(self, name: str) -> dict[str, Any]:
         if name not in self.campaign_rows:

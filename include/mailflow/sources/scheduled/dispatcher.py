@@ -143,9 +143,13 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
     breaker = breaker or CircuitBreaker.for_run(conn, provider, run)
     actor = actor_name(run, "dispatcher")
     summary.canaries_released = release_canaries(conn, actor)
-    waiting = reputation.waiting_campaigns(conn)
+    waiting = reputation.waiting_scopes(conn)
     if waiting:  # a round whose outcomes stopped coming starts again after the guard's outcome wait
-        reputation.evaluate(conn, waiting, account=d.account, config=d.guard_config)
+        reputation.evaluate(conn, [name for scope, name in waiting if scope == "campaign"], account=d.account,
+                            config=d.guard_config)
+        # an account scope another process names otherwise holds the claim statements too: evaluated here
+        for other in sorted({name for scope, name in waiting if scope == "account"} - {d.account}):
+            reputation.evaluate(conn, [], account=other)
 
     def pause_campaign(name: str, reason: str) -> None:
         """The campaign itself is at fault: pause it (the others go on) and fail the task at the end."""
@@ -172,6 +176,7 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
         claim = chunk.tag
         assert isinstance(claim, Claim)
         d.count(claim, outcome, applied, batch, summary)
+        d.give_back(claim.campaign.name, applied.released + applied.failed)
         breaker.record(outcome)  # a whole-request failure opens it for every sender
         fault = campaign_fault(outcome)
         if fault is not None:
@@ -264,12 +269,16 @@ def dispatch(conn: psycopg.Connection, provider: Any, renderer: Renderer, *,
                              deadline + send_grace_seconds, tag=claim)
             stop = drain()  # one batch in flight at a time: the previous one's answer first
             if stop:
-                summary.released += release_unsent(d.store, chunk, f"the run stopped ({stop})", run).released
+                released = release_unsent(d.store, chunk, f"the run stopped ({stop})", run).released
+                summary.released += released
+                d.give_back(claim.campaign.name, released)
                 summary.stopped = stop
                 break
             if claim.campaign.name in summary.paused:  # the batch before paused its campaign
-                summary.released += release_unsent(
+                released = release_unsent(
                     d.store, chunk, f"campaign paused ({summary.paused[claim.campaign.name]})", run).released
+                summary.released += released
+                d.give_back(claim.campaign.name, released)
                 continue
             pipe.submit(chunk, slot)
             slot = None

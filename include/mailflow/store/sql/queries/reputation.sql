@@ -1,7 +1,16 @@
 -- name: account
--- The provider account the send log sends through: the pacer's account (mail.rate_slot, the API host
--- in production) that claimed a slot last. One row per account; a deployment normally has one.
-select account from mail.rate_slot order by next_slot desc limit 1
+-- The provider account the send log sends through, for a caller without a provider (the webhook
+-- receiver): the account scope the senders were granted emails on last (the name they use, whatever
+-- their pacer or environment), else the pacer's account (mail.rate_slot, the API host in production)
+-- that claimed a slot last. A deployment normally has one of each.
+select name from (
+    (select name, 1 as rank from mail.reputation_guard
+     where scope = 'account' and last_grant_at is not null order by last_grant_at desc limit 1)
+    union all
+    (select account, 2 from mail.rate_slot order by next_slot desc limit 1)
+) as a
+order by rank
+limit 1
 
 -- name: no_jit
 -- For the rest of the evaluation's transaction: no JIT. The rate statements read a few thousand
@@ -37,6 +46,21 @@ from mail.reputation_guard g
 where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
 order by g.scope = 'account' desc, g.name
 for update of g
+
+-- name: read_scopes
+-- The guard rows of the scopes, not locked (admit's first look: are both proven?).
+select g.scope, g.name, g.proven
+from mail.reputation_guard g
+where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
+
+-- name: share_scopes
+-- The guard rows of the scopes, share-locked in lock_scopes' order: senders of proven scopes hold them
+-- together; an evaluation's lock_scopes (FOR UPDATE) waits for them, and they for it.
+select g.scope, g.name, g.proven
+from mail.reputation_guard g
+where (g.scope, g.name) in (select * from unnest(%(scopes)s::text[], %(names)s::text[]))
+order by g.scope = 'account' desc, g.name
+for share of g
 
 -- name: campaign_counts
 -- The outcome counters now, per campaign (mail.campaign_counts: folded counts plus the unfolded deltas),
@@ -74,20 +98,24 @@ returning tripped_at
 
 -- name: grant
 -- Count a grant in a scope's exposure round (its row is locked by lock_scopes): a round starting now
--- records the outcome count it starts from (`base`); `waiting`: the round is spent.
+-- records the outcome count it starts from (`base`); `waiting`: the round is spent. A refusal (n = 0)
+-- is no grant: the outcome wait keeps counting from the round's last real grant.
 update mail.reputation_guard
-set round_sent = round_sent + %(n)s, last_grant_at = now(), waiting = %(waiting)s,
-    round_started_at = coalesce(round_started_at, now()),
+set round_sent = round_sent + %(n)s, waiting = %(waiting)s,
+    last_grant_at = case when %(n)s > 0 then now() else last_grant_at end,
+    round_started_at = case when %(n)s > 0 then coalesce(round_started_at, now()) else round_started_at end,
     round_outcomes = coalesce(%(base)s, round_outcomes)
 where scope = %(scope)s and name = %(name)s and not proven
 
 -- name: refund
 -- Give back emails granted but not sent, in the campaign's and the account's rounds. The rows are locked
 -- first in lock_scopes' order (account, then campaign): an UPDATE of both would lock them in scan order
--- and could deadlock with a concurrent admit.
+-- and could deadlock with a concurrent admit. A proven scope has no round and is not locked (a claim
+-- holds it share-locked: upgrading that lock could deadlock with another claim's).
 with locked as materialized (
     select g.scope, g.name from mail.reputation_guard g
-    where (g.scope = 'campaign' and g.name = %(campaign)s) or (g.scope = 'account' and g.name = %(account)s)
+    where ((g.scope = 'campaign' and g.name = %(campaign)s) or (g.scope = 'account' and g.name = %(account)s))
+      and not g.proven
     order by g.scope = 'account' desc, g.name
     for update of g
 )
@@ -97,8 +125,9 @@ from locked l
 where g.scope = l.scope and g.name = l.name and not g.proven and g.round_sent > 0
 
 -- name: waiting
--- The scopes whose exposure round is spent (the dispatcher evaluates them at each run).
-select name from mail.reputation_guard where waiting and scope = 'campaign' and state = 'ok' order by name
+-- The scopes whose exposure round is spent, campaigns and accounts (the dispatcher evaluates them at
+-- each run: the claim statements skip every campaign while an account waits).
+select scope, name from mail.reputation_guard where waiting and state = 'ok' order by scope, name
 
 -- name: setting
 -- One provider account's guard settings (null: the default).
@@ -145,11 +174,13 @@ limit 1
 
 -- name: resume
 -- A person resumes a scope: state ok, who, when and why. The trip's time and reason stay as history;
--- outcomes of emails sent before resumed_at no longer count. Row-locked by the update.
+-- outcomes of emails sent before resumed_at no longer count. What is delivered from now on is fresh
+-- in the complaint test (its first complaint-lag mark is now). Row-locked by the update.
 update mail.reputation_guard
 set state = 'ok', resumed_at = now(), resumed_by = %(actor)s, resume_reason = %(reason)s,
     llr_bounce = 0, llr_gross = 0, llr_complaint = 0, proven = false, seen = %(seen)s,
-    delivered_marks = '[]'::jsonb, evidence = 0, cum_outcomes = 0, cum_hard = 0, cum_complaints = 0,
+    delivered_marks = jsonb_build_array(jsonb_build_array(extract(epoch from now())::float8, 0::float8)),
+    evidence = 0, cum_outcomes = 0, cum_hard = 0, cum_complaints = 0,
     cum_delivered = 0, round_sent = 0, round_outcomes = null, round_started_at = null, waiting = false,
     sample = 0, hard_bounce_rate = 0, complaint_rate = 0
 where scope = %(scope)s and name = %(name)s and state = 'tripped'
