@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -80,9 +80,11 @@ class Responder(threading.Thread):
     ``expire``, let it time out and run the scheduler's own timeout sweep. Keeps the request's
     subject and body for the test."""
 
-    def __init__(self, dag_id: str, task_id: str, option: str | None, *, expire: bool = False) -> None:
+    def __init__(self, dag_id: str, task_id: str, option: str | None, *, expire: bool = False,
+                 before_answer: Callable[[], None] | None = None) -> None:
         super().__init__(daemon=True)
         self.dag_id, self.task_id, self.option, self.expire = dag_id, task_id, option, expire
+        self.before_answer = before_answer
         self.body: str | None = None
         self.subject: str | None = None
         self.error: BaseException | None = None
@@ -127,6 +129,8 @@ class Responder(threading.Thread):
                     self.body, self.subject = detail.body, detail.subject
                     if self.expire:
                         break
+                    if self.before_answer is not None:  # something happens while the approval waits
+                        self.before_answer()
                     detail.responded_by = {"id": "approver", "name": "approver"}
                     detail.responded_at = timezone.utcnow()
                     detail.chosen_options = [self.option]
@@ -155,8 +159,9 @@ class Responder(threading.Thread):
         raise TimeoutError("the approval did not expire")
 
 
-def _run_with_answer(dag: Any, conf: dict[str, Any], option: str | None, *, expire: bool = False) -> tuple[Any, Responder]:
-    responder = Responder(dag.dag_id, "approve", option, expire=expire)
+def _run_with_answer(dag: Any, conf: dict[str, Any], option: str | None, *, expire: bool = False,
+                     before_answer: Callable[[], None] | None = None) -> tuple[Any, Responder]:
+    responder = Responder(dag.dag_id, "approve", option, expire=expire, before_answer=before_answer)
     responder.start()
     dr = dag.test(run_conf=conf)
     responder.join(timeout=30)
@@ -357,6 +362,60 @@ def test_provision_by_name_with_a_test_email_and_approval(
     assert campaign_db.execute("select status from mail.campaign").fetchone() == ("scheduled",)
     summary = _ti(dr, "provision").xcom_pull(task_ids="provision")
     assert (summary["created"], summary["chunks"], summary["complete"]) == (12, 3, True)
+    # what was approved: the fingerprint the approver was shown, by whom
+    approval = plan["approval"]
+    assert f"**Fingerprint of what you approve:** `{approval['fingerprint']}`" in answered.body
+    assert (summary["approval_id"], summary["fingerprint"]) == (approval["id"], approval["fingerprint"])
+    assert campaign_db.execute("select state, how, fingerprint, recipient_count, decided_by from mail.campaign_approval"
+                               ).fetchall() == [("approved", "airflow_hitl", approval["fingerprint"], 12, "approver")]
+    [(actor, detail)] = campaign_db.execute("select actor, detail from mail.campaign_event"
+                                            " where detail->>'reason' = 'approval_approved'").fetchall()
+    assert actor.startswith("approver via provision_campaign/")
+    assert (detail["responded_by"], detail["fingerprint"]) == ({"id": "approver", "name": "approver"},
+                                                               approval["fingerprint"])
+
+
+@pytest.mark.airflow
+def test_approval_binds_definition_replaced_while_the_approval_waits(
+    airflow_db: Path, campaign_db: psycopg.Connection, conns: EmulatorProcess, dagbag: Any,
+) -> None:
+    """While the approval waits in Required Actions, the draft gets another recipients table and
+    another subject; then the approver (who saw 5 recipients and the old subject) clicks Approve.
+    Nothing is provisioned, the run fails naming the change, and the campaign stays a draft."""
+    _users(campaign_db, 40)
+    campaign_db.execute("drop table if exists app.ui_shown")
+    campaign_db.execute("create table app.ui_shown as select user_id, email, first_name from app.users"
+                        " where user_id <= 5")
+    shown = {"name": NAME, "template": "outreach", "subject": "Hello {{ user.first_name }}",
+             "from": "Outreach <outreach@mail.example.com>", "recipients_table": "app.ui_shown",
+             "start_at": datetime(2031, 3, 3, 9, 0, tzinfo=UTC), "timezone": "Europe/Berlin", "emails_per_day": 5}
+    scheduled.create_campaign(campaign_db, shown)
+
+    def replace_the_draft() -> None:
+        with psycopg.connect(campaign_db.info.dsn, autocommit=True) as conn:
+            scheduled.update_draft(conn, NAME, {**shown, "recipients_table": None, "recipients_sql": "free_plan_users",
+                                                "subject": "Last chance, {{ user.first_name }}"}, actor="mallory")
+
+    dr, answered = _run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Approve",
+                                    before_answer=replace_the_draft)
+
+    assert answered.body is not None and "**Recipients to provision:** 5" in answered.body
+    assert dr.state == "failed"
+    assert {t.task_id: t.state for t in dr.get_task_instances()} == {
+        "plan": "success", "send_test_email": "success", "approve": "success", "provision": "failed"}
+    assert _ti(dr, "provision").try_number == 1  # refused, not retried
+    assert campaign_db.execute("select count(*) from mail.send_log").fetchone() == (0,)
+    assert campaign_db.execute("select status, provisioned_count from mail.campaign").fetchone() == ("draft", 0)
+    assert [m for m in conns.read_outbox() if m["to"][0].startswith("ui")] == []
+    [(detail,)] = campaign_db.execute("select detail from mail.campaign_event"
+                                      " where detail->>'reason' = 'provision_refused'").fetchall()
+    assert detail["changes"] == [
+        'definition recipients_sql: null -> "free_plan_users"',
+        'definition recipients_table: "app.ui_shown" -> null',
+        'definition subject: "Hello {{ user.first_name }}" -> "Last chance, {{ user.first_name }}"',
+        "file recipients/free_plan_users.sql added",
+        "recipients: 35 added, 0 removed (5 approved, 40 now)"]
+    assert "voided by mallory" in detail["message"]
 
 
 @pytest.mark.airflow
