@@ -7,9 +7,7 @@ campaign_control; and run conf strictness for every mailflow DAG."""
 from __future__ import annotations
 
 import json
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
+from hitl_rig import run_with_answer
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.sources import scheduled
@@ -72,101 +71,6 @@ def _ti(dr: Any, task_id: str) -> Any:
 
 def _events(db: psycopg.Connection) -> list[tuple[Any, ...]]:
     return db.execute("select from_status, to_status, detail->>'reason' from mail.campaign_event order by id").fetchall()
-
-
-class Responder(threading.Thread):
-    """Answer the first Required Action of ``dag_id``/``task_id`` the way the REST API's
-    ``PATCH .../hitlDetails`` does (record the response, resume the parked task), or, with
-    ``expire``, let it time out and run the scheduler's own timeout sweep. Keeps the request's
-    subject and body for the test."""
-
-    def __init__(self, dag_id: str, task_id: str, option: str | None, *, expire: bool = False,
-                 before_answer: Callable[[], None] | None = None) -> None:
-        super().__init__(daemon=True)
-        self.dag_id, self.task_id, self.option, self.expire = dag_id, task_id, option, expire
-        self.before_answer = before_answer
-        self.body: str | None = None
-        self.subject: str | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._answer()
-        except BaseException as exc:  # reported by the test; the waiting run is failed so dag.test() ends
-            self.error = exc
-            self._fail_waiting()
-
-    def _fail_waiting(self) -> None:
-        from airflow.models.taskinstance import TaskInstance
-        from airflow.utils.session import create_session
-        from airflow.utils.state import TaskInstanceState
-        from sqlalchemy import update
-
-        with create_session() as session:
-            session.execute(update(TaskInstance).where(
-                TaskInstance.dag_id == self.dag_id, TaskInstance.state == TaskInstanceState.AWAITING_INPUT,
-            ).values(state=TaskInstanceState.FAILED))
-
-    def _answer(self) -> None:
-        from airflow.models.hitl import HITLDetail
-        from airflow.models.taskinstance import TaskInstance
-        from airflow.models.trigger import handle_event_submit
-        from airflow.sdk import timezone
-        from airflow.triggers.base import TriggerEvent
-        from airflow.utils.session import create_session
-        from airflow.utils.state import TaskInstanceState
-        from sqlalchemy import select
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            time.sleep(0.3)
-            with create_session() as session:
-                ti = session.scalar(select(TaskInstance).where(
-                    TaskInstance.dag_id == self.dag_id, TaskInstance.task_id == self.task_id,
-                    TaskInstance.state == TaskInstanceState.AWAITING_INPUT))
-                if ti is not None:
-                    detail = session.scalar(select(HITLDetail).where(HITLDetail.ti_id == ti.id))
-                    self.body, self.subject = detail.body, detail.subject
-                    if self.expire:
-                        break
-                    if self.before_answer is not None:  # something happens while the approval waits
-                        self.before_answer()
-                    detail.responded_by = {"id": "approver", "name": "approver"}
-                    detail.responded_at = timezone.utcnow()
-                    detail.chosen_options = [self.option]
-                    detail.params_input = {}
-                    session.add(detail)
-                    handle_event_submit(TriggerEvent(detail.as_resume_event_payload()), task_instance=ti,
-                                        session=session)
-                    return
-        else:
-            raise TimeoutError(f"{self.dag_id}.{self.task_id} never asked for input")
-        # expiry: wait out the response timeout, then the scheduler's sweep applies the defaults
-        from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
-
-        runner = SchedulerJobRunner.__new__(SchedulerJobRunner)
-        runner._log = None
-        while time.monotonic() < deadline:
-            with create_session() as session:
-                ti = session.scalar(select(TaskInstance).where(
-                    TaskInstance.dag_id == self.dag_id, TaskInstance.task_id == self.task_id,
-                    TaskInstance.state == TaskInstanceState.AWAITING_INPUT))
-                if ti is None:
-                    return
-                if ti.trigger_timeout is not None and ti.trigger_timeout < timezone.utcnow():
-                    runner.check_awaiting_input_timeouts(session=session)
-            time.sleep(0.5)
-        raise TimeoutError("the approval did not expire")
-
-
-def _run_with_answer(dag: Any, conf: dict[str, Any], option: str | None, *, expire: bool = False,
-                     before_answer: Callable[[], None] | None = None) -> tuple[Any, Responder]:
-    responder = Responder(dag.dag_id, "approve", option, expire=expire, before_answer=before_answer)
-    responder.start()
-    dr = dag.test(run_conf=conf)
-    responder.join(timeout=30)
-    assert responder.error is None, responder.error
-    return dr, responder
 
 
 # -- the forms ------------------------------------------------------------------------------------
@@ -323,7 +227,7 @@ def test_provision_by_name_with_a_test_email_and_approval(
     cid = _create(campaign_db, 12)
     campaign_db.execute("insert into mail.suppression (user_id, scope, source) values (3, 'all', 'test')")
 
-    dr, answered = _run_with_answer(dagbag.dags["provision_campaign"],
+    dr, answered = run_with_answer(dagbag.dags["provision_campaign"],
                                     {"campaign": NAME, "test_email_to": "approver@example.com", "chunk_size": 5},
                                     "Approve")
 
@@ -396,7 +300,7 @@ def test_approval_binds_definition_replaced_while_the_approval_waits(
             scheduled.update_draft(conn, NAME, {**shown, "recipients_table": None, "recipients_sql": "free_plan_users",
                                                 "subject": "Last chance, {{ user.first_name }}"}, actor="mallory")
 
-    dr, answered = _run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Approve",
+    dr, answered = run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Approve",
                                     before_answer=replace_the_draft)
 
     assert answered.body is not None and "**Recipients to provision:** 5" in answered.body
@@ -424,7 +328,7 @@ def test_a_rejected_approval_leaves_a_draft_with_nothing_scheduled(
 ) -> None:
     _create(campaign_db, 6)
 
-    dr, _ = _run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Reject")
+    dr, _ = run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Reject")
 
     assert {t.task_id: t.state for t in dr.get_task_instances()} == {
         "plan": "success", "send_test_email": "success", "approve": "success", "provision": "skipped"}
@@ -443,7 +347,7 @@ def test_an_unanswered_approval_expires_like_a_rejection(
 ) -> None:
     _create(campaign_db, 4)
 
-    dr, _ = _run_with_answer(dagbag.dags["provision_campaign"],
+    dr, _ = run_with_answer(dagbag.dags["provision_campaign"],
                              {"campaign": NAME, "approval_timeout_hours": 0.0005}, None, expire=True)  # 1.8 s
 
     assert _ti(dr, "provision").state == "skipped"

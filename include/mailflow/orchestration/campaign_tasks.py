@@ -327,11 +327,11 @@ def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
 
     check_run_conf(context)
     params = context["params"]
-    planned = context["ti"].xcom_pull(task_ids="plan") or {}
-    approval_id = (planned.get("approval") or {}).get("id")
     with send_log_connection() as conn:
         require_current(conn)
         c = _provisionable(conn, context)
+        planned = context["ti"].xcom_pull(task_ids="plan") or {}
+        approval_id = (planned.get("approval") or {}).get("id")
         if approval_id is None:
             raise _fail(f"campaign {c['name']!r}: this run's plan recorded no approval request (planned before "
                         f"approvals had fingerprints?): nothing provisioned; trigger provision_campaign again")
