@@ -19,7 +19,13 @@ import pytest
 from mailflow.campaigns import CAMPAIGNS_DIR, CampaignFolder
 from mailflow.cli import main as mailflow
 from mailflow.sources.scheduled import provision
-from mailflow.sources.scheduled.approval import ApprovalRefused, Fingerprint, decide, open_request
+from mailflow.sources.scheduled.approval import (
+    ApprovalRefused,
+    Fingerprint,
+    decide,
+    open_request,
+    usable_approval,
+)
 from mailflow.sources.scheduled.provisioning import current_fingerprint
 from mailflow.sources.scheduled.spec import create_campaign, update_draft
 from mailflow.store.migrate import migration_files
@@ -350,9 +356,7 @@ def test_the_migration_backfills_earlier_answers_from_the_campaign_events(pg: ps
     rows = pg.execute("select state, how, fingerprint, decided_by from mail.campaign_approval order by id").fetchall()
     assert rows == [("rejected", "history", None, "bo via provision_campaign/r1/approve"),
                     ("approved", "history", None, "provision_campaign/r2/provision")]
-    with pytest.raises(ApprovalRefused, match="has no approval on record"):  # history approves nothing new
-        from mailflow.sources.scheduled.approval import usable_approval
-
+    with pytest.raises(ApprovalRefused, match="recorded before approvals had fingerprints, so it approves nothing"):
         with pg.transaction():
             c = ScheduledStore(pg).campaign_by_id(cid)
             assert c is not None

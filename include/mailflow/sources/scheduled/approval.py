@@ -411,9 +411,13 @@ def usable_approval(conn: psycopg.Connection, c: Mapping[str, Any]) -> int:
     row = ApprovalStore(conn).latest_decided(int(c["id"]))
     hint = ("approve it in Airflow (provision_campaign) or record your approval with "
             "--approve-as NAME --reason TEXT")
-    if row is None or row["fingerprint"] is None:
+    if row is None:
         raise ApprovalRefused(f"campaign {name!r} has no approval on record: nothing provisioned; {hint}",
                               campaign=name)
+    if row["fingerprint"] is None:
+        raise ApprovalRefused(f"campaign {name!r}: its latest approval #{row['id']} was recorded before approvals "
+                              f"had fingerprints, so it approves nothing now: nothing provisioned; {hint}",
+                              campaign=name, approval_id=int(row["id"]))
     if row["state"] != "approved":
         raise ApprovalRefused(f"campaign {name!r}: its latest approval request #{row['id']} was {row['state']} "
                               f"by {_who(row)}: nothing provisioned; {hint}", campaign=name,

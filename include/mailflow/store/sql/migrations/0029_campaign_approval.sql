@@ -46,14 +46,38 @@ comment on table mail.campaign_approval is
     'Approval requests of scheduled campaigns and their answers: which fingerprint (sha256 hex of the definition, '
     'template bytes and recipient snapshot) who approved, rejected or let expire, when and how; provisioning '
     'refuses a campaign whose fingerprint differs from the approved one.';
+comment on column mail.campaign_approval.id is 'The request''s number (approval #id in messages and events).';
+comment on column mail.campaign_approval.campaign_id is 'The scheduled campaign (mail.campaign.id).';
+comment on column mail.campaign_approval.state is
+    'pending (asked, unanswered), approved, rejected, expired (unanswered in time) or voided (the draft''s '
+    'definition was replaced before the request was used).';
+comment on column mail.campaign_approval.how is
+    'airflow_hitl: a Required Action of provision_campaign; cli: mailflow campaign provision --approve-as; '
+    'history: copied by 0029 from the campaign events recorded before approvals had fingerprints.';
 comment on column mail.campaign_approval.fingerprint is
     'sha256 hex of the canonical definition, the file hashes and the recipient snapshot '
     '(mailflow.sources.scheduled.approval.fingerprint); null only for rows backfilled from history.';
+comment on column mail.campaign_approval.definition is
+    'The canonical definition the fingerprint covers (every definition field, as stored when requested).';
+comment on column mail.campaign_approval.files is
+    'Path relative to the campaigns folder -> sha256 hex of its bytes: the template files, their layouts, the '
+    'recipients SQL file.';
+comment on column mail.campaign_approval.recipient_count is 'Recipients in the snapshot (rows of the recipient source).';
+comment on column mail.campaign_approval.recipients_sha256 is
+    'sha256 hex of the recipients'' user ids in ascending order, each as decimal text and a newline.';
 comment on column mail.campaign_approval.recipient_ids is
     'The approved recipients'' user ids, ascending; provisioning creates rows for these ids only.';
+comment on column mail.campaign_approval.requested_at is 'When the request was recorded (the plan, or the CLI).';
+comment on column mail.campaign_approval.requested_by is
+    'Who asked: the plan task''s user and path, or the CLI''s --actor.';
+comment on column mail.campaign_approval.expires_at is
+    'When an unanswered Required Action takes its default answer (Reject); null for the CLI.';
+comment on column mail.campaign_approval.decided_at is 'When it was answered or voided; null while pending.';
 comment on column mail.campaign_approval.decided_by is
     'Who answered: the Airflow user who responded to the Required Action, the CLI operator (--approve-as), '
     'or, for a voided request, who replaced the definition.';
+comment on column mail.campaign_approval.reason is
+    'The operator''s reason (--reason), how it was answered, or why it was voided.';
 
 -- Backfill from the campaign events recorded before this table: each rejection and expiry, and each
 -- provisioning started by provision_campaign after its approval, becomes an answered request without a
