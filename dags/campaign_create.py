@@ -5,7 +5,8 @@ Create a **scheduled campaign** as a `draft` from this form: one field per key o
 definition (the pydantic model `mailflow.sources.scheduled.definition.CampaignDefinition`; the form
 is generated from its JSON schema, so types, choices, bounds, descriptions and defaults are the
 model's). With **`update`** on, the existing draft of that name gets this definition instead
-(only a draft: a provisioned campaign keeps its plan).
+(only a draft: a provisioned campaign keeps its plan). An update voids the draft's pending and
+approved approval requests (event `approval_voided`): plan and approve it again.
 
 The task validates the whole definition again with the model (strict: a number is not text, an
 unknown conf key is refused), checks the template and recipients files, and writes the campaign in

@@ -7,10 +7,12 @@ per day, weekdays, local windows, start); `dispatch_scheduled_emails` sends the 
 
 Tasks: `plan` -> `send_test_email` -> `approve` -> `provision`.
 
-1. **plan** (writes nothing): recipients still to provision, first and last send (UTC and local),
+1. **plan**: recipients still to provision, first and last send (UTC and local),
    emails per day, days spanned, the local windows; what the contact policy would hold back now
    (suppressed, in cooldown, over a frequency cap, invalid address); the email rendered for the first
-   recipient (subject and text).
+   recipient (subject and text); the campaign's **fingerprint** (its whole definition, the bytes of
+   its template, layouts and recipients file, its recipients' ids). Its one write: the approval
+   request of that fingerprint (`mail.campaign_approval`, pending; none on a dry run).
 2. **send_test_email** (only with `test_email_to`): one email through `resend_default` to that
    address, subject `[TEST] ...`, tagged `test`, recorded as the campaign event `test_email` with the
    provider's id, never a send-log row (no count, no contact policy; a suppressed address gets none).
@@ -19,11 +21,16 @@ Tasks: `plan` -> `send_test_email` -> `approve` -> `provision`.
    `plan` and `provision` (docs/feedback.md, "Test emails"). **`dry_run`** skips it and everything
    after it: a dry run stops after `plan`.
 3. **approve**: a Required Action in the UI (Browse -> Required Actions, or the task's page)
-   showing the plan, the hold-back and the sample: Approve or Reject. Unanswered after
-   `approval_timeout_hours` (default 72) it takes its default, Reject: it expires. A rejection or an
-   expiry is recorded (`approval_rejected` / `approval_expired`), `provision` is skipped and the
+   showing the plan, the hold-back, the sample and the fingerprint: Approve or Reject. Unanswered after
+   `approval_timeout_hours` (default 72) it takes its default, Reject: it expires. Every answer is
+   recorded on the request and as an event naming who answered (`approval_approved` /
+   `approval_rejected` / `approval_expired`); on a rejection or an expiry `provision` is skipped and the
    campaign stays as it was (a draft stays a draft; nothing is scheduled).
-4. **provision** (approved only): rows in chunks of `chunk_size`; a draft becomes `scheduled`.
+4. **provision** (approved only): rows in chunks of `chunk_size`; a draft becomes `scheduled`. Only
+   the approved fingerprint: if the definition was replaced while the approval waited (which voids
+   the request), or a template, the recipients file or the recipients changed, it fails without
+   retries naming each change, and nothing is provisioned (docs/operations.md, "The approval
+   fingerprint").
    One provisioning at a time (`max_active_tis_per_dag=1`); runs waiting for their approval do not
    block each other (`max_active_runs=16`). Idempotent (rows `ON CONFLICT DO NOTHING`, continues after the checkpoint) and resumable (each
    chunk and the checkpoint commit together).

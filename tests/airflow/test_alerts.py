@@ -80,3 +80,15 @@ def test_smtp_builds_the_smtp_notifier(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(n, SmtpNotifier)
     assert (n.to, n.smtp_conn_id, n.subject, n.html_content) == (
         "ops@example.com", "smtp_ops", "mailflow: 3 dead letter(s)", "<pre>3 dead letters</pre>")
+
+
+def test_an_alert_quoting_a_template_is_not_lost_to_its_rendering(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A failure message that quotes a campaign's subject (Jinja) reaches the log as written; the
+    notifier renders its fields, and ``{{ user.first_name }}`` used to fail that rendering."""
+    monkeypatch.delenv("MAILFLOW_ALERT", raising=False)
+    error = "definition subject: \"Hi {{ user.first_name }}\" -> \"{% if x %}{# y #}\""
+    with caplog.at_level(logging.ERROR, logger="mailflow.alerts"):
+        alerts.task_failure_alert({"ti": _TI(), "exception": ValueError(error)})
+    assert [r.getMessage() for r in caplog.records if r.name == "mailflow.alerts"] == [
+        f"ALERT: task failed: lifecycle_emails/scheduled__2026-12-01T09:00:00+00:00/send_campaigns: {error}"]

@@ -7,8 +7,6 @@ campaign_control; and run conf strictness for every mailflow DAG."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
+from hitl_rig import run_with_answer
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.sources import scheduled
@@ -72,96 +71,6 @@ def _ti(dr: Any, task_id: str) -> Any:
 
 def _events(db: psycopg.Connection) -> list[tuple[Any, ...]]:
     return db.execute("select from_status, to_status, detail->>'reason' from mail.campaign_event order by id").fetchall()
-
-
-class Responder(threading.Thread):
-    """Answer the first Required Action of ``dag_id``/``task_id`` the way the REST API's
-    ``PATCH .../hitlDetails`` does (record the response, resume the parked task), or, with
-    ``expire``, let it time out and run the scheduler's own timeout sweep. Keeps the request's
-    subject and body for the test."""
-
-    def __init__(self, dag_id: str, task_id: str, option: str | None, *, expire: bool = False) -> None:
-        super().__init__(daemon=True)
-        self.dag_id, self.task_id, self.option, self.expire = dag_id, task_id, option, expire
-        self.body: str | None = None
-        self.subject: str | None = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._answer()
-        except BaseException as exc:  # reported by the test; the waiting run is failed so dag.test() ends
-            self.error = exc
-            self._fail_waiting()
-
-    def _fail_waiting(self) -> None:
-        from airflow.models.taskinstance import TaskInstance
-        from airflow.utils.session import create_session
-        from airflow.utils.state import TaskInstanceState
-        from sqlalchemy import update
-
-        with create_session() as session:
-            session.execute(update(TaskInstance).where(
-                TaskInstance.dag_id == self.dag_id, TaskInstance.state == TaskInstanceState.AWAITING_INPUT,
-            ).values(state=TaskInstanceState.FAILED))
-
-    def _answer(self) -> None:
-        from airflow.models.hitl import HITLDetail
-        from airflow.models.taskinstance import TaskInstance
-        from airflow.models.trigger import handle_event_submit
-        from airflow.sdk import timezone
-        from airflow.triggers.base import TriggerEvent
-        from airflow.utils.session import create_session
-        from airflow.utils.state import TaskInstanceState
-        from sqlalchemy import select
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            time.sleep(0.3)
-            with create_session() as session:
-                ti = session.scalar(select(TaskInstance).where(
-                    TaskInstance.dag_id == self.dag_id, TaskInstance.task_id == self.task_id,
-                    TaskInstance.state == TaskInstanceState.AWAITING_INPUT))
-                if ti is not None:
-                    detail = session.scalar(select(HITLDetail).where(HITLDetail.ti_id == ti.id))
-                    self.body, self.subject = detail.body, detail.subject
-                    if self.expire:
-                        break
-                    detail.responded_by = {"id": "approver", "name": "approver"}
-                    detail.responded_at = timezone.utcnow()
-                    detail.chosen_options = [self.option]
-                    detail.params_input = {}
-                    session.add(detail)
-                    handle_event_submit(TriggerEvent(detail.as_resume_event_payload()), task_instance=ti,
-                                        session=session)
-                    return
-        else:
-            raise TimeoutError(f"{self.dag_id}.{self.task_id} never asked for input")
-        # expiry: wait out the response timeout, then the scheduler's sweep applies the defaults
-        from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
-
-        runner = SchedulerJobRunner.__new__(SchedulerJobRunner)
-        runner._log = None
-        while time.monotonic() < deadline:
-            with create_session() as session:
-                ti = session.scalar(select(TaskInstance).where(
-                    TaskInstance.dag_id == self.dag_id, TaskInstance.task_id == self.task_id,
-                    TaskInstance.state == TaskInstanceState.AWAITING_INPUT))
-                if ti is None:
-                    return
-                if ti.trigger_timeout is not None and ti.trigger_timeout < timezone.utcnow():
-                    runner.check_awaiting_input_timeouts(session=session)
-            time.sleep(0.5)
-        raise TimeoutError("the approval did not expire")
-
-
-def _run_with_answer(dag: Any, conf: dict[str, Any], option: str | None, *, expire: bool = False) -> tuple[Any, Responder]:
-    responder = Responder(dag.dag_id, "approve", option, expire=expire)
-    responder.start()
-    dr = dag.test(run_conf=conf)
-    responder.join(timeout=30)
-    assert responder.error is None, responder.error
-    return dr, responder
 
 
 # -- the forms ------------------------------------------------------------------------------------
@@ -318,7 +227,7 @@ def test_provision_by_name_with_a_test_email_and_approval(
     cid = _create(campaign_db, 12)
     campaign_db.execute("insert into mail.suppression (user_id, scope, source) values (3, 'all', 'test')")
 
-    dr, answered = _run_with_answer(dagbag.dags["provision_campaign"],
+    dr, answered = run_with_answer(dagbag.dags["provision_campaign"],
                                     {"campaign": NAME, "test_email_to": "approver@example.com", "chunk_size": 5},
                                     "Approve")
 
@@ -361,6 +270,60 @@ def test_provision_by_name_with_a_test_email_and_approval(
     [shown] = summary["test_emails"]
     assert (shown["provider_id"], shown["status"], shown["to"]) == (test["provider_id"], "sent", "a***@example.com")
     assert shown["campaign_event_id"] is not None and shown["outcome"] is None  # no webhooks in this emulator
+    # what was approved: the fingerprint the approver was shown, by whom
+    approval = plan["approval"]
+    assert f"**Fingerprint of what you approve:** `{approval['fingerprint']}`" in answered.body
+    assert (summary["approval_id"], summary["fingerprint"]) == (approval["id"], approval["fingerprint"])
+    assert campaign_db.execute("select state, how, fingerprint, recipient_count, decided_by from mail.campaign_approval"
+                               ).fetchall() == [("approved", "airflow_hitl", approval["fingerprint"], 12, "approver")]
+    [(actor, detail)] = campaign_db.execute("select actor, detail from mail.campaign_event"
+                                            " where detail->>'reason' = 'approval_approved'").fetchall()
+    assert actor.startswith("approver via provision_campaign/")
+    assert (detail["responded_by"], detail["fingerprint"]) == ({"id": "approver", "name": "approver"},
+                                                               approval["fingerprint"])
+
+
+@pytest.mark.airflow
+def test_approval_binds_definition_replaced_while_the_approval_waits(
+    airflow_db: Path, campaign_db: psycopg.Connection, conns: EmulatorProcess, dagbag: Any,
+) -> None:
+    """While the approval waits in Required Actions, the draft gets another recipients table and
+    another subject; then the approver (who saw 5 recipients and the old subject) clicks Approve.
+    Nothing is provisioned, the run fails naming the change, and the campaign stays a draft."""
+    _users(campaign_db, 40)
+    campaign_db.execute("drop table if exists app.ui_shown")
+    campaign_db.execute("create table app.ui_shown as select user_id, email, first_name from app.users"
+                        " where user_id <= 5")
+    shown = {"name": NAME, "template": "outreach", "subject": "Hello {{ user.first_name }}",
+             "from": "Outreach <outreach@mail.example.com>", "recipients_table": "app.ui_shown",
+             "start_at": datetime(2031, 3, 3, 9, 0, tzinfo=UTC), "timezone": "Europe/Berlin", "emails_per_day": 5}
+    scheduled.create_campaign(campaign_db, shown)
+
+    def replace_the_draft() -> None:
+        with psycopg.connect(campaign_db.info.dsn, autocommit=True) as conn:
+            scheduled.update_draft(conn, NAME, {**shown, "recipients_table": None, "recipients_sql": "free_plan_users",
+                                                "subject": "Last chance, {{ user.first_name }}"}, actor="mallory")
+
+    dr, answered = run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Approve",
+                                    before_answer=replace_the_draft)
+
+    assert answered.body is not None and "**Recipients to provision:** 5" in answered.body
+    assert dr.state == "failed"
+    assert {t.task_id: t.state for t in dr.get_task_instances()} == {
+        "plan": "success", "send_test_email": "success", "approve": "success", "provision": "failed"}
+    assert _ti(dr, "provision").try_number == 1  # refused, not retried
+    assert campaign_db.execute("select count(*) from mail.send_log").fetchone() == (0,)
+    assert campaign_db.execute("select status, provisioned_count from mail.campaign").fetchone() == ("draft", 0)
+    assert [m for m in conns.read_outbox() if m["to"][0].startswith("ui")] == []
+    [(detail,)] = campaign_db.execute("select detail from mail.campaign_event"
+                                      " where detail->>'reason' = 'provision_refused'").fetchall()
+    assert detail["changes"] == [
+        'definition recipients_sql: null -> "free_plan_users"',
+        'definition recipients_table: "app.ui_shown" -> null',
+        'definition subject: "Hello {{ user.first_name }}" -> "Last chance, {{ user.first_name }}"',
+        "file recipients/free_plan_users.sql added",
+        "recipients: 35 added, 0 removed (5 approved, 40 now)"]
+    assert "voided by mallory" in detail["message"]
 
 
 @pytest.mark.airflow
@@ -369,7 +332,7 @@ def test_a_rejected_approval_leaves_a_draft_with_nothing_scheduled(
 ) -> None:
     _create(campaign_db, 6)
 
-    dr, _ = _run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Reject")
+    dr, _ = run_with_answer(dagbag.dags["provision_campaign"], {"campaign": NAME}, "Reject")
 
     assert {t.task_id: t.state for t in dr.get_task_instances()} == {
         "plan": "success", "send_test_email": "success", "approve": "success", "provision": "skipped"}
@@ -388,7 +351,7 @@ def test_an_unanswered_approval_expires_like_a_rejection(
 ) -> None:
     _create(campaign_db, 4)
 
-    dr, _ = _run_with_answer(dagbag.dags["provision_campaign"],
+    dr, _ = run_with_answer(dagbag.dags["provision_campaign"],
                              {"campaign": NAME, "approval_timeout_hours": 0.0005}, None, expire=True)  # 1.8 s
 
     assert _ti(dr, "provision").state == "skipped"

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import ROOT, UNSUBSCRIBE_SECRET
+from hitl_rig import run_with_answer
 
 from mailflow.emulator.testing import EmulatorProcess
 from mailflow.sources import scheduled
@@ -122,9 +123,14 @@ def test_dag_test_provisions_a_campaign_from_params(
     assert (summary["dry_run"], summary["recipients"], summary["emails_per_day"], summary["days_spanned"]) == (
         True, 30, 8, 4)
 
-    # the approval is a person's answer (tests/airflow/test_campaign_dags.py answers it); here it is marked done
-    dr = dag.test(run_conf={"campaign": "dag_outreach", "dry_run": False, "chunk_size": 7},
-                  mark_success_pattern="approve")
+    # an approval step marked done without anybody's answer approves nothing: provision refuses
+    skipped = dag.test(run_conf={"campaign": "dag_outreach", "dry_run": False, "chunk_size": 7},
+                       mark_success_pattern="approve")
+    assert skipped.state == "failed" and skipped.get_task_instance("provision").try_number == 1
+    assert campaign_db.execute("select count(*) from mail.send_log").fetchone() == (0,)
+    assert campaign_db.execute("select state from mail.campaign_approval").fetchall() == [("pending",)]
+
+    dr, _ = run_with_answer(dag, {"campaign": "dag_outreach", "dry_run": False, "chunk_size": 7}, "Approve")
     assert dr.state == "success"
     got = [r[0] for r in campaign_db.execute(
         "select scheduled_at from mail.send_log where campaign = 'dag_outreach' order by user_id").fetchall()]

@@ -79,9 +79,20 @@ def alert_setting(spec: str | None = None) -> tuple[str, str, str, Any]:
     return kind, conn_id, target, cls
 
 
+def _verbatim(text: str) -> str:
+    """``text`` as a Jinja template that renders to ``text`` itself: every ``{`` becomes the
+    expression ``{{ '{' }}``, so a message quoting a template (a campaign's subject
+    ``Hi {{ user.first_name }}``) is shown as written instead of failing the notifier's rendering."""
+    return text.replace("{", "{{ '{' }}")
+
+
 def notifier(message: str, subject: str = "mailflow alert") -> BaseNotifier:
     """The configured notifier for ``message`` (see the module docstring). Never raises: when the
-    configured notifier cannot be built here, a :class:`LogNotifier` carries the message and says why."""
+    configured notifier cannot be built here, a :class:`LogNotifier` carries the message and says why.
+    Notifiers render their fields as templates: the message and subject are passed so that they
+    render to themselves (an error quoting ``{{ ... }}`` would otherwise fail the callback and the
+    alert would be lost)."""
+    message, subject = _verbatim(message), _verbatim(subject)
     try:
         kind, conn_id, target, cls = alert_setting()
         if cls is None:

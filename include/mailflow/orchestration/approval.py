@@ -4,8 +4,12 @@ in the UI, answered there or through the REST API's ``hitlDetails``), with
 * the wait bounded per run by Param ``approval_timeout_hours`` (the operator's ``response_timeout``;
   Airflow's scheduler applies the default answer, Reject, when it passes: an unanswered approval
   expires like a rejection);
-* a rejection or an expiry recorded as a campaign event (``approval_rejected`` /
-  ``approval_expired``); the campaign stays as it was (a draft stays a draft, nothing scheduled).
+* every answer recorded on the plan's approval request (``mail.campaign_approval``: approved,
+  rejected or expired, by whom) and as a campaign event (``approval_approved`` /
+  ``approval_rejected`` / ``approval_expired``, ``detail.responded_by`` naming the responder); on a
+  rejection or an expiry the campaign stays as it was (a draft stays a draft, nothing scheduled).
+  What an Approve approves is the fingerprint the plan showed: ``provision`` checks it
+  (:mod:`mailflow.sources.scheduled.approval`).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ class CampaignApprovalOperator(ApprovalOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         chosen = event.get("chosen_options") or []
-        if "error" not in event and chosen and chosen[0] != self.APPROVE:
+        if "error" not in event and chosen:
             # recorded first: on a rejection the base class skips the downstream tasks by raising
-            record_decision(str(context["params"]["campaign"]).strip(), False, bool(event.get("timedout")),
-                            event.get("responded_by_user"), task_path(context))
+            planned = context["ti"].xcom_pull(task_ids="plan") or {}
+            record_decision(str(context["params"]["campaign"]).strip(), (planned.get("approval") or {}).get("id"),
+                            chosen[0] == self.APPROVE, bool(event.get("timedout")), event.get("responded_by_user"),
+                            task_path(context))
         return super().execute_complete(context=context, event=event)

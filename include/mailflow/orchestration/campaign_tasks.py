@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -134,11 +134,15 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """``provision_campaign``'s first task: the plan of the recipients still to provision (a dry
     run: recipients, first and last send in UTC and local time, emails per day, days spanned, the
     local windows and weekdays), what the contact policy would hold back now
-    (:func:`mailflow.sources.scheduled.preview.policy_holdback`) and a sample email for the first
-    recipient (subject and text). Writes nothing. Returns ``{"campaign_id", "campaign", "status",
-    "plan", "holdback", "sample", "test_emails", "approval_text"}`` (``test_emails``: the test
-    emails sent so far with their outcomes, :func:`mailflow.store.test_emails.of_campaign`;
-    ``approval_text``: the Markdown the approval shows).
+    (:func:`mailflow.sources.scheduled.preview.policy_holdback`), a sample email for the first
+    recipient (subject and text) and the campaign's fingerprint
+    (:mod:`mailflow.sources.scheduled.approval`: definition, template bytes, recipient snapshot).
+    Unless ``dry_run``, it records the approval request of that fingerprint (pending, expiring after
+    ``approval_timeout_hours``; the only write). Returns ``{"campaign_id", "campaign", "status",
+    "plan", "holdback", "sample", "approval", "test_emails", "approval_text"}`` (``approval``: ``{"id"``
+    (None on a dry run), ``"fingerprint", "recipient_count", "recipients_sha256", "files"}``;
+    ``test_emails``: the test emails sent so far with their outcomes,
+    :func:`mailflow.store.test_emails.of_campaign`; ``approval_text``: the Markdown the approval shows).
 
     :raises AirflowFailException: for an unknown conf key, an unknown name, a cancelled or completed
         campaign, or a stored definition that cannot be provisioned (a missing template or
@@ -146,13 +150,15 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """
     from mailflow.campaigns.templating import check_campaign_templates
     from mailflow.orchestration.tasks import campaign_folder, renderer_for, send_log_connection
+    from mailflow.sources.scheduled.approval import open_request
     from mailflow.sources.scheduled.planning import plan_spec
     from mailflow.sources.scheduled.preview import policy_holdback, sample_email
-    from mailflow.sources.scheduled.provisioning import provision
+    from mailflow.sources.scheduled.provisioning import current_fingerprint, provision
     from mailflow.store import test_emails
     from mailflow.store.migrate import require_current
 
     check_run_conf(context)
+    params = context["params"]
     folder = campaign_folder(context)
     now = datetime.now(UTC)
     with send_log_connection() as conn:
@@ -166,8 +172,15 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
             holdback = policy_holdback(conn, int(c["id"]), now=now, folder=folder).as_dict()
             sample = sample_email(conn, int(c["id"]), renderer_for(folder), folder)
             tests = test_emails.of_campaign(conn, int(c["id"]))
+            with conn.transaction():
+                fp = current_fingerprint(conn, c, folder)
         except (ValueError, LookupError) as exc:
             raise _fail(f"campaign {c['name']!r}: its stored definition cannot be provisioned: {exc}") from None
+        approval_id = None
+        if not params.get("dry_run"):
+            hours = float(params.get("approval_timeout_hours") or DEFAULT_APPROVAL_TIMEOUT_HOURS)
+            approval_id = open_request(conn, int(c["id"]), fp, requested_by=actor(context),
+                                       expires_at=now + timedelta(hours=hours))
     plan["first_send_local"] = _local(plan["first_send"], spec.zone)
     plan["last_send_local"] = _local(plan["last_send"], spec.zone)
     plan["windows"] = [str(w) for w in spec.windows]
@@ -175,6 +188,8 @@ def plan_task(context: Mapping[str, Any]) -> dict[str, Any]:
     out = {"campaign_id": int(c["id"]), "campaign": c["name"], "status": c["status"], "plan": plan,
            "holdback": holdback,
            "sample": None if sample is None else {k: sample[k] for k in ("user_id", "subject", "text")},
+           "approval": {"id": approval_id, "fingerprint": fp.value, "recipient_count": fp.recipient_count,
+                        "recipients_sha256": fp.recipients_sha256, "files": fp.files},
            "test_emails": tests}
     out["approval_text"] = approval_text(out)
     log.info("plan of %s: %s", c["name"], json.dumps({k: v for k, v in out.items() if k != "approval_text"},
@@ -187,7 +202,7 @@ _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 
 def approval_text(p: Mapping[str, Any]) -> str:
     """The approval's Markdown body of a :func:`plan_task` result: the plan, the contact policy's
-    hold-back and the sample email."""
+    hold-back, the sample email and the fingerprint being approved."""
     plan, hb, sample = p["plan"], p["holdback"], p["sample"]
     days = ", ".join(_DAYS[d - 1] for d in plan["weekdays"])
     lines = [
@@ -214,6 +229,13 @@ def approval_text(p: Mapping[str, Any]) -> str:
         text = sample["text"] if len(sample["text"]) <= 3000 else sample["text"][:3000] + "\n[...]"
         lines += [f"**Sample email** (user {sample['user_id']}), subject: {sample['subject']}", "", "```text",
                   text.replace("```", "'''"), "```"]
+    a = p.get("approval")
+    if a:
+        lines += ["", f"**Fingerprint of what you approve:** `{a['fingerprint']}` (approval request "
+                      f"#{a['id']}): the definition, the files {', '.join(f'`{f}`' for f in sorted(a['files']))} "
+                      f"and {a['recipient_count']} recipients (user ids sha256 `{a['recipients_sha256'][:16]}`). "
+                      f"Provisioning refuses anything else: a change of the definition, a file or the recipients "
+                      f"before it runs fails it, naming the change, and the campaign stays as it is."]
     return "\n".join(lines)
 
 
@@ -263,42 +285,48 @@ def test_email_task(context: Mapping[str, Any]) -> dict[str, Any]:
     return {"sent": True, **out}
 
 
-def record_decision(campaign: str, approved: bool, timed_out: bool, responder: Any, who: str) -> None:
-    """Record an approval that did not approve as a campaign event (``approval_rejected`` or
-    ``approval_expired``; the status is unchanged: a draft stays a draft). An approval is
-    recorded by the provisioning that follows it (``draft -> scheduled``). The event's actor is
-    ``<responder> via <who>`` (``who``: the approval task's path; an expiry has no responder)."""
-    if approved:
-        return
+def record_decision(campaign: str, approval_id: int | None, approved: bool, timed_out: bool, responder: Any,
+                    who: str) -> str | None:
+    """Record the answer to the approval request ``approval_id`` of ``campaign`` (the plan's request):
+    the request becomes ``approved``, ``rejected`` or ``expired`` (an answer to a request voided
+    meanwhile leaves it voided) and the campaign event ``approval_approved`` / ``approval_rejected`` /
+    ``approval_expired`` names who acted (``detail.responded_by``: Airflow's ``{"id", "name"}`` of the
+    responder, None for an expiry) and the fingerprint; the actor is ``<responder> via <who>``
+    (``who``: the approval task's path). The status is unchanged: a draft stays a draft until
+    provisioned. Returns the request's state after the answer, or None for a run whose plan recorded
+    no request (planned before approvals were recorded: the answer is logged, nothing else).
+    """
     from mailflow.orchestration.tasks import send_log_connection
-    from mailflow.sources.scheduled.campaign_db import record_event
-    from mailflow.store.scheduled import ScheduledStore
+    from mailflow.sources.scheduled.approval import decide
 
-    reason = "approval_expired" if timed_out else "approval_rejected"
-    name = responder.get("name") if isinstance(responder, Mapping) else None
+    decision = "approved" if approved else "expired" if timed_out else "rejected"
+    if approval_id is None:
+        log.warning("campaign %s: the approval was %s, but this run's plan recorded no approval request; "
+                    "provision refuses to run without one", campaign, decision)
+        return None
+    by = dict(responder) if isinstance(responder, Mapping) else None
     with send_log_connection() as conn:
         conn.autocommit = True
-        with conn.transaction():
-            c = ScheduledStore(conn).campaign_by_name(campaign)
-            if c is None:
-                log.warning("campaign %s vanished before its %s was recorded", campaign, reason)
-                return
-            record_event(conn, int(c["id"]), c["status"], c["status"], f"{name} via {who}" if name else who,
-                         reason=reason)
-    log.info("campaign %s: %s; it stays %s with nothing provisioned by this run", campaign, reason, c["status"])
+        state = decide(conn, int(approval_id), decision, responded_by=by, via=who)
+    log.info("campaign %s: approval #%s %s; the request is %s", campaign, approval_id, decision, state)
+    return state
 
 
 def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
     """``provision_campaign``'s last task, run only when the approval said Approve: provision the
-    campaign named by Param ``campaign`` (``chunk_size`` recipients per transaction; a draft
-    becomes ``scheduled``). Returns the :class:`ProvisionSummary` as a dict, with ``test_emails``:
-    the campaign's test emails and the outcomes recorded for them by then
+    campaign named by Param ``campaign`` under the approval request its plan recorded
+    (``chunk_size`` recipients per transaction; a draft becomes ``scheduled``), only if the
+    campaign's fingerprint now equals the approved one. Returns the :class:`ProvisionSummary` as a
+    dict, with ``test_emails``: the campaign's test emails and the outcomes recorded for them by then
     (:func:`mailflow.store.test_emails.of_campaign`).
 
-    :raises AirflowFailException: for an unknown name or a stored definition that cannot be
-        provisioned (not retried).
+    :raises AirflowFailException: for an unknown name, a stored definition that cannot be
+        provisioned, a run whose plan recorded no approval request, or a refused approval (not
+        approved any more, or the definition, a file or the recipients changed since the plan:
+        the message names each change; nothing is provisioned and a draft stays a draft). Not retried.
     """
     from mailflow.orchestration.tasks import campaign_folder, run_context, send_log_connection
+    from mailflow.sources.scheduled.approval import ApprovalRefused
     from mailflow.sources.scheduled.provisioning import provision
     from mailflow.store import test_emails
     from mailflow.store.migrate import require_current
@@ -308,9 +336,17 @@ def provision_task(context: Mapping[str, Any]) -> dict[str, Any]:
     with send_log_connection() as conn:
         require_current(conn)
         c = _provisionable(conn, context)
+        planned = context["ti"].xcom_pull(task_ids="plan") or {}
+        approval_id = (planned.get("approval") or {}).get("id")
+        if approval_id is None:
+            raise _fail(f"campaign {c['name']!r}: this run's plan recorded no approval request (planned before "
+                        f"approvals had fingerprints?): nothing provisioned; trigger provision_campaign again")
         try:
             summary = provision(conn, int(c["id"]), now=datetime.now(UTC), chunk=int(params.get("chunk_size") or 5000),
-                                run=run_context(context), folder=campaign_folder(context))
+                                run=run_context(context), folder=campaign_folder(context),
+                                approval_id=int(approval_id))
+        except ApprovalRefused as exc:
+            raise _fail(str(exc)) from None
         except ValueError as exc:
             raise _fail(f"campaign {c['name']!r}: {exc}") from None
         # what became of the test emails the approver saw (their webhooks arrive while the approval waits)

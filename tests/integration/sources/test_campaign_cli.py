@@ -62,7 +62,8 @@ def test_a_campaign_by_name_from_create_to_cancel(db: psycopg.Connection, db_dsn
     plan = _json(capsys, ["campaign", "provision", name, "--dry-run", *dsn])
     assert (plan["dry_run"], plan["recipients"], plan["created"]) == (True, 3, 0)
     assert db.execute("select count(*) from mail.send_log where campaign = %s", (name,)).fetchone() == (0,)
-    done = _json(capsys, ["--dsn", db_dsn, "campaign", "provision", name, "--chunk", "2"])
+    done = _json(capsys, ["--dsn", db_dsn, "campaign", "provision", name, "--chunk", "2", "--approve-as", "Ops Lead",
+                          "--reason", "the spring plan"])
     assert (done["created"], done["chunks"], done["complete"]) == (3, 2, True)
     rows = _json(capsys, ["campaign", "status", name, *dsn])["rows"]
     assert (rows["pending"], rows["sent"], rows["cancelled"]) == (3, 0, 0)
@@ -73,7 +74,7 @@ def test_a_campaign_by_name_from_create_to_cancel(db: psycopg.Connection, db_dsn
     status = _json(capsys, ["campaign", "status", name, *dsn])
     assert (status["status"], status["rows"]["cancelled"], status["rows"]["pending"]) == ("cancelled", 3, 0)
     actors = db.execute("select distinct actor from mail.campaign_event e join mail.campaign c on c.id = e.campaign_id"
-                        " where c.name = %s and e.to_status = 'draft'", (name,)).fetchall()
+                        " where c.name = %s and e.from_status is null", (name,)).fetchall()
     assert actors == [("ops",)]
 
 
@@ -145,6 +146,6 @@ def test_update_replaces_a_drafts_definition_and_refuses_a_provisioned_one(
     spec_file.write_text(SPEC.replace("NAME", name).replace("emails_per_day = 1000", "emails_per_day = 40"))
     updated = _json(capsys, ["campaign", "update", str(spec_file), "--actor", "ed", *dsn])
     assert (updated["name"], updated["status"], updated["emails_per_day"]) == (name, "draft", 40)
-    _json(capsys, ["campaign", "provision", name, *dsn])
+    _json(capsys, ["campaign", "provision", name, "--approve-as", "ed", "--reason", "test", *dsn])
     assert mailflow(["campaign", "update", str(spec_file), *dsn]) == 2
     assert "only a draft's definition can be replaced" in capsys.readouterr().err

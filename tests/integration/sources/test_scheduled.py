@@ -462,7 +462,8 @@ def test_cli_creates_and_reports_a_campaign(rig: Rig, tmp_path: Path, capsys: py
     assert scheduled.main(["--dsn", rig.dsn, "provision", "spring_outreach", "--dry-run"]) == 0
     dry = json.loads(capsys.readouterr().out)
     assert (dry["recipients"], dry["first_send"]) == (3, "2030-01-07T15:00:00+00:00")  # 10:00 EST
-    assert scheduled.main(["--dsn", rig.dsn, "provision", "spring_outreach"]) == 0
+    assert scheduled.main(["--dsn", rig.dsn, "provision", "spring_outreach", "--approve-as", "ops",
+                           "--reason", "spring plan"]) == 0
     assert json.loads(capsys.readouterr().out)["created"] == 3
     assert scheduled.main(["--dsn", rig.dsn, "pause", "spring_outreach"]) == 0
     capsys.readouterr()

@@ -1,6 +1,7 @@
 """``mailflow campaign COMMAND``: the scheduled-campaign commands (click); each prints JSON.
 
-``create SPEC|--name ...``, ``update SPEC`` (a draft), ``provision NAME [--dry-run] [--chunk N]``,
+``create SPEC|--name ...``, ``update SPEC`` (a draft),
+``provision NAME [--dry-run] [--chunk N] [--approve-as NAME --reason TEXT]``,
 ``pause|resume|cancel|status NAME``, ``complete [NAME]``. NAME is a campaign's name or its id;
 ``all`` is no campaign's name (it is reserved: it means every campaign, and only ``complete``
 takes it). The send-log database comes from ``--dsn`` (on ``mailflow``, on ``campaign`` or on the
@@ -24,12 +25,15 @@ from typing import Any
 import click
 import psycopg
 
+from mailflow.campaigns import CampaignFolder
 from mailflow.model.outcome import RunContext
+from mailflow.sources.scheduled.approval import ApprovalRefused, approve_now, record_refusal, usable_approval
 from mailflow.sources.scheduled.campaign_db import CampaignStateError, json_default
 from mailflow.sources.scheduled.control import cancel, complete, pause, resume, status
-from mailflow.sources.scheduled.provisioning import provision
+from mailflow.sources.scheduled.provisioning import current_fingerprint, provision
 from mailflow.sources.scheduled.spec import create_campaign, load_spec, resolve_campaign, update_draft
 from mailflow.store import test_emails
+from mailflow.store.scheduled import ScheduledStore
 
 #: ``ctx.meta`` keys (click shares ``meta`` with every nested context): the innermost ``--dsn`` /
 #: ``--actor`` given wins, so ``mailflow --dsn X campaign status N`` and ``... status N --dsn X`` agree
@@ -190,17 +194,49 @@ def update_command(conn: psycopg.Connection, actor: str | None, spec: Path, name
 
 @campaign.command("provision")
 @click.argument("name")
-@click.option("--dry-run", is_flag=True, help="plan only: first/last send, per day, days spanned; writes nothing")
+@click.option("--dry-run", is_flag=True, help="plan only: first/last send, per day, days spanned, the fingerprint; "
+                                              "writes nothing")
 @click.option("--chunk", type=click.IntRange(min=1), default=5000, show_default=True, help="rows per transaction")
+@click.option("--approve-as", metavar="NAME", help="record your approval of the campaign as it is now (who "
+                                                   "approves; needs --reason), then provision it")
+@click.option("--reason", metavar="TEXT", help="why you approve (recorded with --approve-as)")
 @dsn_option
 @actor_option
 @_json_command
-def provision_command(conn: psycopg.Connection, actor: str | None, name: str, dry_run: bool, chunk: int) -> Any:
-    """Create the campaign's planned rows (one pending row per recipient), or plan them (--dry-run);
-    with the campaign's test emails and their outcomes (``test_emails``)."""
+def provision_command(conn: psycopg.Connection, actor: str | None, name: str, dry_run: bool, chunk: int,
+                      approve_as: str | None, reason: str | None) -> Any:
+    """Create the campaign's planned rows (one pending row per recipient) under an approval of what
+    it sends now, or plan them (--dry-run). Without --approve-as it provisions only if the
+    campaign's latest approval (Airflow's provision_campaign, or an earlier --approve-as) approved
+    its current fingerprint; otherwise it refuses and changes nothing. --approve-as NAME --reason TEXT
+    records NAME's approval of the current fingerprint (a campaign event) and provisions. The output
+    carries the campaign's test emails and their outcomes (``test_emails``)."""
+    if (approve_as is None) != (reason is None):
+        raise ValueError("--approve-as NAME and --reason TEXT go together: who approves, and why")
+    if dry_run and approve_as is not None:
+        raise ValueError("--dry-run writes nothing: it cannot record an approval (drop --approve-as)")
     cid = _campaign_id(conn, name)
-    out = provision(conn, cid, now=datetime.now(UTC), chunk=chunk, dry_run=dry_run,
-                    run=RunContext(task_id="cli")).as_dict()
+    folder = CampaignFolder.resolve()
+    with conn.transaction():
+        c = ScheduledStore(conn).campaign_by_id(cid)
+        if c is None:
+            raise LookupError(f"no campaign with id {cid} in mail.campaign")
+        fp = current_fingerprint(conn, c, folder)
+    if dry_run:
+        out = provision(conn, cid, now=datetime.now(UTC), chunk=chunk, dry_run=True, folder=folder).as_dict()
+        return {**out, "fingerprint": fp.value, "recipient_count": fp.recipient_count,
+                "test_emails": test_emails.of_campaign(conn, cid)}
+    try:
+        if approve_as is not None:
+            approval_id = approve_now(conn, cid, fp, approved_by=approve_as, reason=str(reason), actor=actor)
+        else:
+            with conn.transaction():
+                approval_id = usable_approval(conn, c)
+    except ApprovalRefused as exc:
+        record_refusal(conn, cid, exc, actor)
+        raise
+    out = provision(conn, cid, now=datetime.now(UTC), chunk=chunk, run=RunContext(task_id="cli"), folder=folder,
+                    approval_id=approval_id, actor=actor).as_dict()
     return {**out, "test_emails": test_emails.of_campaign(conn, cid)}
 
 

@@ -19,6 +19,14 @@ from mailflow.campaigns import CampaignFolder
 from mailflow.campaigns.templating import check_campaign_templates, subject_template
 from mailflow.model.holdout import in_holdout
 from mailflow.model.outcome import RunContext
+from mailflow.sources.scheduled.approval import (
+    ApprovalRefused,
+    ApprovedRecipients,
+    Fingerprint,
+    check_approved,
+    record_refusal,
+    snapshot,
+)
 from mailflow.sources.scheduled.campaign_db import (
     actor_name,
     lock_campaign,
@@ -62,6 +70,9 @@ class ProvisionSummary:
     ``holidays_skipped`` the holidays on an allowed weekday from the plan day this call planned
     from (the plan's start, or its last planned send) through the last send's plan day: days that
     sent nothing because of the holiday calendar.
+
+    ``approval_id`` and ``fingerprint``: the approval this call provisioned under and the fingerprint
+    it checked (:mod:`mailflow.sources.scheduled.approval`); None without an approval.
     """
 
     campaign_id: int
@@ -88,6 +99,8 @@ class ProvisionSummary:
     first_send_local: str | None = None
     last_send_local: str | None = None
     holidays_skipped: int = 0
+    approval_id: int | None = None
+    fingerprint: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO-8601 UTC text)."""
@@ -139,10 +152,22 @@ def _snapshot(rec: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
     return uid, (str(email).strip() if email else None), ctx
 
 
+def current_fingerprint(conn: psycopg.Connection, c: Mapping[str, Any], folder: CampaignFolder) -> Fingerprint:
+    """The fingerprint of campaign ``c`` (a ``mail.campaign`` row) as it would be provisioned now: its
+    stored definition, its files in ``folder`` and every recipient of its recipient source
+    (:func:`mailflow.sources.scheduled.approval.snapshot`). One read of the recipients' user ids in the
+    caller's transaction.
+
+    :raises ValueError: for a bad recipients table name or a missing template or recipients file.
+    """
+    return snapshot(conn, c, recipient_source(conn, c, folder), folder)
+
+
 def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chunk: int = 5000,
               dry_run: bool = False, run: RunContext | None = None,
               after_chunk: Callable[[ProvisionSummary], None] | None = None,
-              folder: CampaignFolder | None = None) -> ProvisionSummary:
+              folder: CampaignFolder | None = None, approval_id: int | None = None,
+              actor: str | None = None) -> ProvisionSummary:
     """Create one ``pending`` send-log row (``kind = 'scheduled'``) per recipient, with its planned
     ``scheduled_at`` (UTC) and a snapshot (address; context = the recipient's extra columns plus the
     rendered ``subject``), ``chunk`` recipients per transaction. A recipient in the campaign's holdout
@@ -160,6 +185,18 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     :param dry_run: plan the recipients still to provision and summarise; write nothing.
     :param after_chunk: called after each chunk commits (tests inject a crash here).
     :param folder: the campaigns folder of the templates and recipients files (default: resolved).
+    :param approval_id: the approval this provisioning carries out (``mail.campaign_approval``; the
+        DAG and the CLI always pass one). Checked in the first chunk's transaction, under the
+        campaign's row lock: the request must be approved and the campaign's fingerprint now equal
+        to the approved one (:func:`mailflow.sources.scheduled.approval.check_approved`); rows are
+        then created only for the approved recipients. None: no check (tests and tools that build
+        a campaign directly); the ``draft -> scheduled`` event then records ``approval_id: null``.
+    :param actor: who is recorded on the campaign's events (default: the run's task path).
+    :raises ApprovalRefused: (a ValueError) before anything is written, if the approval is missing,
+        not approved, or approved a different fingerprint (naming each change: definition fields,
+        files, recipients added and removed); or, at a later chunk, if a recipient the approval does
+        not cover appeared meanwhile (that chunk is not written). Recorded as the campaign event
+        ``provision_refused``; a draft stays a draft.
     :raises ValueError: for a naive ``now``, a bad chunk size, a missing template or recipients
         file, a subject that needs a column the recipients lack (naming campaign and user), or a
         subject or template that tries to leave the sandbox (refused before anything renders).
@@ -177,7 +214,20 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     summary = ProvisionSummary(campaign_id=campaign_id, dry_run=dry_run)
     if dry_run:
         return _dry_run(conn, campaign_id, now, summary, folder)
-    actor = actor_name(run, None)
+    try:
+        return _provision_chunks(conn, campaign_id, now, chunk, run, after_chunk, folder, summary, approval_id,
+                                 actor_name(run, actor))
+    except ApprovalRefused as exc:
+        record_refusal(conn, campaign_id, exc, actor_name(run, actor))
+        log.error("%s", exc)
+        raise
+
+
+def _provision_chunks(conn: psycopg.Connection, campaign_id: int, now: datetime, chunk: int, run: RunContext,
+                      after_chunk: Callable[[ProvisionSummary], None] | None, folder: CampaignFolder,
+                      summary: ProvisionSummary, approval_id: int | None, actor: str | None) -> ProvisionSummary:
+    """The chunks of :func:`provision` (its rules and errors)."""
+    approved: ApprovedRecipients | None = None
     per_day: dict[date, int] = {}
     subject_t: jinja2.Template | None = None
     planned_from: datetime | None = None
@@ -200,6 +250,10 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 # a campaign created before subjects were checked: refused here, never run
                 check_campaign_templates(c["name"], c["subject"], c["template"], folder.templates_dir)
                 subject_t = subject_template(c["subject"])
+                if approval_id is not None:
+                    # under the campaign's row lock: no definition update interleaves with the check
+                    approved = check_approved(conn, c, approval_id, current_fingerprint(conn, c, folder))
+                    summary.approval_id, summary.fingerprint = approved.approval_id, approved.fingerprint
             plan_start = c["plan_start"] or max(c["start_at"], now)
             source = recipient_source(conn, c, folder)
             after = c["provision_cursor"] if c["provision_cursor"] is not None else _MIN_BIGINT
@@ -207,7 +261,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
             current = c["status"]
             if current == "draft":
                 ScheduledStore(conn).set_status(campaign_id, "draft", "scheduled")
-                record_event(conn, campaign_id, "draft", "scheduled", actor, reason="provisioning started")
+                record_event(conn, campaign_id, "draft", "scheduled", actor, reason="provisioning started",
+                             approval_id=summary.approval_id, fingerprint=summary.fingerprint)
                 current = "scheduled"
             if not page:
                 ScheduledStore(conn).mark_provisioned(campaign_id, plan_start)
@@ -219,6 +274,8 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
                 summary.provisioned_total = int(c["provisioned_count"])
                 break
             recipients = [_snapshot(r[0]) for r in page]
+            if approved is not None:
+                _refuse_unapproved(c, approved, recipients)
             cursor = max(uid for uid, _, _ in recipients)
             usable = [r for r in recipients if r[1]]
             summary.skipped_no_email += len(recipients) - len(usable)
@@ -280,6 +337,21 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     if spec is not None:
         summary.set_local(spec, planned_from)
     return summary
+
+
+def _refuse_unapproved(c: Mapping[str, Any], approved: ApprovedRecipients,
+                       recipients: list[tuple[int, str | None, dict[str, Any]]]) -> None:
+    """Refuse a page holding recipients the approval does not cover (the recipient source changed
+    while earlier chunks were provisioned): nobody the approver was not shown gets a row."""
+    outside = [uid for uid, _, _ in recipients if not approved.covers(uid)]
+    if outside:
+        shown = ", ".join(str(u) for u in outside[:5]) + (" ..." if len(outside) > 5 else "")
+        raise ApprovalRefused(
+            f"campaign {c['name']!r}: {len(outside)} recipients appeared that approval #{approved.approval_id} does "
+            f"not cover (users {shown}): this chunk was not provisioned (rows provisioned before stay); plan and "
+            f"approve the campaign again for them", campaign=str(c["name"]), approval_id=approved.approval_id,
+            changes=[f"recipients: {len(outside)} added while provisioning"],
+            fingerprint_approved=approved.fingerprint)
 
 
 def _dry_run(conn: psycopg.Connection, campaign_id: int, now: datetime, summary: ProvisionSummary,

@@ -19,6 +19,7 @@ from psycopg import sql as pgsql
 
 from mailflow.campaigns import CampaignFolder, declared_names
 from mailflow.campaigns.templating import check_campaign_templates
+from mailflow.sources.scheduled.approval import void_open
 from mailflow.sources.scheduled.campaign_db import CampaignStateError, lock_campaign, record_event
 from mailflow.sources.scheduled.definition import (
     CampaignDefinition,
@@ -181,6 +182,12 @@ def update_draft(conn: psycopg.Connection, name: str, spec: Mapping[str, Any] | 
     campaign row locked: the new values and a ``draft -> draft`` campaign event recording the
     changed fields (``changed``: field -> [old, new]) and the new definition (``spec``).
 
+    The draft's pending and approved (not yet used) approval requests are voided in the same
+    transaction, with the campaign event ``approval_voided``
+    (:func:`mailflow.sources.scheduled.approval.void_open`): what they approved is no longer what
+    would be sent, so an answer that arrives later, or a provisioning under one of them, changes
+    nothing. The update is not refused while an approval waits: the request dies instead.
+
     :raises LookupError: if no campaign has that name.
     :raises CampaignStateError: (a ValueError) naming the status if the campaign is not a draft.
     :raises CampaignDefinitionError: and the other errors of :func:`create_campaign`.
@@ -213,6 +220,7 @@ def update_draft(conn: psycopg.Connection, name: str, spec: Mapping[str, Any] | 
         changed = {k: [_plain(old.get(k)), _plain(v)] for k, v in values.items() if _plain(old.get(k)) != _plain(v)}
         record_event(conn, campaign_id, "draft", "draft", actor, reason="definition replaced", changed=changed,
                      spec=definition.model_dump(mode="json", by_alias=True, exclude_none=True))
+        void_open(conn, campaign_id, actor=actor, cause="definition replaced")
     return campaign_id
 
 
