@@ -227,7 +227,7 @@ def test_q3_probes_each_audience_user_by_index(backlog: psycopg.Connection) -> N
         [[doc]] = backlog.execute(f"explain (format json) {sql}", params).fetchall()  # type: ignore[arg-type]
     scans = [(n["Node Type"], n.get("Relation Name"), n.get("Index Name")) for n in _nodes(doc[0]["Plan"])]
     assert not [x for x in scans if x[0] == "Seq Scan" and x[1] in ("send_log", "assessments", "send_event")], scans
-    assert ("Index Only Scan", "assessments", "assessments_user_id_started_at_idx") in scans
+    assert ("Index Only Scan", "assessments", "assessments_user_id_started_at_cover_idx") in scans
 
     def unlimited(node: dict[str, Any], limited: bool = False) -> list[str]:
         """Scans of send_log / assessments with no LIMIT above them (a whole-table anti-join input)."""

@@ -6,6 +6,7 @@ HTTP (tests/scheduled_rig.py); every expected set comes from :func:`mailflow.mod
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import psycopg
@@ -28,23 +29,32 @@ def by_status(db: psycopg.Connection, campaign: str) -> dict[str, set[int]]:
     return out
 
 
-def test_scheduled_provisioning_holds_out_without_a_slot_and_dispatch_never_sends_them(rig: Rig) -> None:
+def test_scheduled_holdout_rows_take_their_slot_of_the_plan_and_dispatch_never_sends_them(rig: Rig) -> None:
+    """The plan is made for every recipient, then the holdout group is marked: a held-out row keeps the slot
+    it would have been sent in (the lift's window starts there), exactly the plan of a campaign without a
+    holdout group, and the treated rows keep theirs; the slot sends nothing."""
     rig.users(50)
-    cid = rig.campaign(**(ALL_DAY | {"emails_per_day": 1000, "holdout_share": 0.2}))
+    cid = rig.campaign(**(ALL_DAY | {"emails_per_day": 20, "holdout_share": 0.2}))
     assert rig.campaign_row(cid)["holdout_share"] == 0.2
     held = {u for u in range(1, 51) if in_holdout("outreach_test", u, 0.2)}
     summary = rig.provision(cid, chunk=9)
     assert (summary.created, summary.holdout) == (50, len(held))
     rows = rig.rows("campaign = 'outreach_test'")
     assert {r["user_id"] for r in rows if r["status"] == "holdout"} == held
-    assert all(r["scheduled_at"] is None for r in rows if r["status"] == "holdout")
-    assert all(r["scheduled_at"] is not None for r in rows if r["status"] == "pending")
-    # the plan gives slots to the treated only: the same times as a campaign without a holdout group
-    treated_times = sorted(r["scheduled_at"] for r in rows if r["status"] == "pending")
-    cid2 = rig.campaign("outreach_plain", **(ALL_DAY | {"recipients_sql": "free_plan_users"}))
-    rig.db.execute("delete from app.users where user_id = any(%s)", (sorted(held),))
+    assert all(r["scheduled_at"] is not None for r in rows)
+    # the same slots, user by user, as the plan of the same recipients without a holdout group
+    slots = {r["user_id"]: r["scheduled_at"] for r in rows}
+    cid2 = rig.campaign("outreach_plain", **(ALL_DAY | {"emails_per_day": 20, "recipients_sql": "free_plan_users"}))
     rig.provision(cid2, chunk=9)
-    assert sorted(rig.times("outreach_plain")) == treated_times
+    plain = {r["user_id"]: r["scheduled_at"] for r in rig.rows("campaign = 'outreach_plain'")}
+    assert slots == plain and len(set(plain.values())) == 50
+    # spread over the same days: 20 slots a day, held-out users among them (not after them)
+    assert len({t.date() for t in plain.values()}) == 3
+    assert {slots[u].date() for u in held} == {t.date() for t in plain.values()}
+    # the summary's sends are the emails: the held-out slots are not sends
+    treated_times = sorted(slots[u] for u in slots if u not in held)
+    assert (summary.first_send, summary.last_send) == (treated_times[0], treated_times[-1])
+    assert summary.per_day_max == max(Counter(t.date() for t in treated_times).values()) < 20
     rig.db.execute("update mail.campaign set status = 'cancelled' where id = %s", (cid2,))
     d = rig.dispatch()
     assert d.sent == 50 - len(held)
