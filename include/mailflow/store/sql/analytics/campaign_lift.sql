@@ -15,12 +15,12 @@
 -- Conversion (the demo product's): the user finished an assessment (app.assessments.finished_at) in
 -- [start, start + 7 days). Change the horizon in `params` only (the rollup below is kept per horizon).
 --
--- A held-out user of a scheduled campaign counts once the campaign's sending has passed their slot: the slot
--- is before now and at or before the campaign's earliest open (pending or sending) row's, so the held-out
--- users planned among the treated users that wait (a paused or held campaign, a canary not yet released)
--- wait with them; a cancelled campaign counts those up to its latest send (it never sent the users planned
--- after it stopped). A window that started less than 7 days ago is still open (open_windows): both groups'
--- rates still grow, alike.
+-- A held-out user of a scheduled campaign counts once the campaign's sending has passed their slot: while it
+-- has rows to send (pending or sending), or once cancelled, the slot is at or before its latest send, so the
+-- held-out users planned among the treated users that wait (a paused or held campaign, a canary not yet
+-- released) wait with them, and a cancelled campaign never counts those planned after it stopped; once it
+-- has nothing left to send, every slot that has passed. A window that started less than 7 days ago is still
+-- open (open_windows): both groups' rates still grow, alike.
 --
 -- Closed windows come from the rollup mail.campaign_lift_day, folded by mail.fold_campaign_lift
 -- (campaign_lift_fold.sql, the same conversion): per campaign, the rows whose window started before its
@@ -34,8 +34,8 @@
 -- mail.campaign_lift (mailflow_dev.demo.loader), where the demo's app schema sits next to the send log. A
 -- filter on campaign (select ... from mail.campaign_lift where campaign = '...') reads that campaign only.
 -- Read path (never the whole send log): the campaigns with a holdout group by a skip scan of
--- send_log_holdout_slot_idx (one probe per campaign), its earliest open row (send_log_campaign_open_idx)
--- or latest send, each campaign's rollup rows (its primary key range), its
+-- send_log_holdout_slot_idx (one probe per campaign), whether it has an open row (send_log_campaign_open_idx)
+-- and its latest send (send_log_campaign_sent_idx), each campaign's rollup rows (its primary key range), its
 -- treated rows since the watermark (a range of send_log_campaign_sent_idx), its held-out rows since the
 -- watermark (a range of send_log_holdout_slot_idx), each user's assessments
 -- (assessments_user_id_started_at_idx, app_schema.sql).
@@ -53,12 +53,12 @@ with recursive params as (
            k.kind,
            coalesce(f.through, '-infinity'::timestamptz)                      as through,
            case when k.kind = 'lifecycle' then now()
-                when (select m.status from mail.campaign m where m.name = s.campaign) = 'cancelled'
+                when exists (select 1 from mail.send_log o
+                             where o.campaign = s.campaign and o.status in ('pending', 'sending'))
+                  or exists (select 1 from mail.campaign m where m.name = s.campaign and m.status = 'cancelled')
                 then (select max(t.sent_at) from mail.send_log t
                       where t.campaign = s.campaign and t.status = 'sent')
-                else least(now(), (select min(o.scheduled_at) from mail.send_log o
-                                   where o.campaign = s.campaign and o.status in ('pending', 'sending')))
-           end                                                                 as cut
+                else now() end                                                 as cut
     from seen s
     cross join params p
     cross join lateral (select h.kind from mail.send_log h

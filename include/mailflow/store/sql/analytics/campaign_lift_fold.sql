@@ -6,9 +6,9 @@
 -- UTC day of the window's start into mail.campaign_lift_day, with how many converted, and the watermark moves
 -- on, in the caller's transaction (rollup rows and watermark commit together: the lift query, one statement,
 -- sees both or neither). The new watermark is now - horizon - settle: every window before it has closed, and
--- a conversion recorded up to `settle` late is still in it; for a scheduled campaign at most its earliest open
--- row's slot (its latest send once cancelled): a held-out user counts once the campaign's sending passed
--- their slot, as in the query. The window starts and the
+-- a conversion recorded up to `settle` late is still in it; for a scheduled campaign with rows left to send,
+-- or cancelled, at most its latest send: a held-out user counts once the campaign's sending passed their
+-- slot, as in the query. The window starts and the
 -- conversion are those of campaign_lift.sql; tests hold the folded and the unfolded lift equal.
 --
 -- What it relies on: rows before a watermark do not change any more. A treated row's sent_at is written once
@@ -65,15 +65,13 @@ begin
     loop
         lo := k.through;
         hi := now() - fold_campaign_lift.horizon - fold_campaign_lift.settle;
-        if k.kind = 'scheduled' then
+        if k.kind = 'scheduled'
+           and (exists (select 1 from mail.send_log o
+                        where o.campaign = k.campaign and o.status in ('pending', 'sending'))
+                or exists (select 1 from mail.campaign m where m.name = k.campaign and m.status = 'cancelled')) then
             -- the query's cut: a held-out user counts once the campaign's sending passed their slot
-            if (select m.status from mail.campaign m where m.name = k.campaign) = 'cancelled' then
-                select max(t.sent_at) into cut from mail.send_log t where t.campaign = k.campaign and t.status = 'sent';
-                continue when cut is null;  -- nothing was sent: nobody counts
-            else
-                select min(o.scheduled_at) into cut from mail.send_log o
-                where o.campaign = k.campaign and o.status in ('pending', 'sending');
-            end if;
+            select max(t.sent_at) into cut from mail.send_log t where t.campaign = k.campaign and t.status = 'sent';
+            continue when cut is null;  -- nothing sent yet: nobody counts
             hi := least(hi, cut);
         end if;
         continue when hi <= lo;

@@ -76,7 +76,7 @@ from (
           union all
           select d.campaign, d.kind, d.day, d.key, d.n from mail.campaign_day_counter_delta d) as x
     left join mail.campaign c on x.kind = 'scheduled' and c.name = x.campaign
-    where (select s.seeded_at is not null from mail.campaign_day_counter_state s)
+    where exists (select 1 from mail.campaign_day_counter_state s where s.seeded_at is not null)
     group by x.campaign, x.kind, coalesce(c.timezone, 'UTC'), x.day
     having coalesce(sum(x.n) filter (where x.key = 'sent'), 0) <> 0
     union all
@@ -97,7 +97,8 @@ from (
     from mail.send_log l
     left join mail.campaign c on l.kind = 'scheduled' and c.name = l.campaign
     left join mail.delivery_status d on d.send_log_id = l.id
-    where l.status = 'sent' and (select s.seeded_at is null from mail.campaign_day_counter_state s)
+    where l.status = 'sent'
+      and not exists (select 1 from mail.campaign_day_counter_state s where s.seeded_at is not null)
     group by l.campaign, l.kind, coalesce(c.timezone, 'UTC'), (l.sent_at at time zone coalesce(c.timezone, 'UTC'))::date
 ) as o;
 
@@ -149,7 +150,7 @@ comment on column mail.campaign_lift_fold.horizon is 'The conversion window''s l
 comment on column mail.campaign_lift_fold.kind is 'lifecycle or scheduled.';
 comment on column mail.campaign_lift_fold.through is
     'Windows starting before this instant are folded (at most now - horizon - a settling day when folded; for a '
-    'scheduled campaign also at most its earliest open row''s slot, or its latest send once cancelled).';
+    'scheduled campaign with rows left to send, or cancelled, also at most its latest send).';
 comment on column mail.campaign_lift_fold.folded_at is 'When the campaign was last folded (timestamptz, UTC).';
 comment on column mail.send_log.scheduled_at is
     'Scheduled rows: the planned send time (timestamptz, UTC), moved on resume or backoff; a holdout row keeps the '
