@@ -53,8 +53,9 @@ with recursive params as (
            k.kind,
            coalesce(f.through, '-infinity'::timestamptz)                      as through,
            case when k.kind = 'lifecycle' then now()
-                when exists (select 1 from mail.send_log o
-                             where o.campaign = s.campaign and o.status in ('pending', 'sending'))
+                when (select o.scheduled_at from mail.send_log o
+                      where o.campaign = s.campaign and o.status in ('pending', 'sending')
+                      order by o.campaign, o.scheduled_at limit 1) is not null
                   or exists (select 1 from mail.campaign m where m.name = s.campaign and m.status = 'cancelled')
                 then (select max(t.sent_at) from mail.send_log t
                       where t.campaign = s.campaign and t.status = 'sent')

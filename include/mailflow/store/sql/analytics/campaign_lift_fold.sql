@@ -66,8 +66,9 @@ begin
         lo := k.through;
         hi := now() - fold_campaign_lift.horizon - fold_campaign_lift.settle;
         if k.kind = 'scheduled'
-           and (exists (select 1 from mail.send_log o
-                        where o.campaign = k.campaign and o.status in ('pending', 'sending'))
+           and ((select o.scheduled_at from mail.send_log o
+                 where o.campaign = k.campaign and o.status in ('pending', 'sending')
+                 order by o.campaign, o.scheduled_at limit 1) is not null
                 or exists (select 1 from mail.campaign m where m.name = k.campaign and m.status = 'cancelled')) then
             -- the query's cut: a held-out user counts once the campaign's sending passed their slot
             select max(t.sent_at) into cut from mail.send_log t where t.campaign = k.campaign and t.status = 'sent';
