@@ -25,6 +25,13 @@ def seeded(conn: psycopg.Connection) -> bool:
     return bool(row and row[0])
 
 
+def day_seeded(conn: psycopg.Connection) -> bool:
+    """Whether the day counters of migration 0031 hold every sent email (the migration seeds them with the
+    first fold; False only if that fold was skipped or the state was reset: the next fold seeds them)."""
+    row = conn.execute(query("counters", "day_seeded")).fetchone()
+    return bool(row and row[0])
+
+
 def fold(conn: psycopg.Connection) -> int | None:
     """Fold the pending changes into the counters and the day counters of migration 0031 (the sent emails
     and their outcomes per campaign and day of sending: ``mail.campaign_outcomes_daily``), in a transaction

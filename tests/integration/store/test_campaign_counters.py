@@ -54,7 +54,7 @@ OUTCOMES_DAILY = ("select campaign, kind, timezone, day, sent, delivered, hard_b
 
 
 def day_counters_used(conn: psycopg.Connection) -> bool:
-    """Whether mail.campaign_outcomes_daily reads the day counters (seeded), not the send log."""
+    """Whether the day counters hold every sent email (seeded), as mail.campaign_outcomes_daily reads them."""
     return conn.execute("select seeded_at is not null from mail.campaign_day_counter_state").fetchone() == (True,)
 
 
@@ -308,8 +308,8 @@ def test_the_first_fold_seeds_from_the_send_log_and_keeps_later_changes(db: psyc
 
 
 def test_the_first_day_fold_seeds_from_the_send_log_and_keeps_later_changes(campaign_row: psycopg.Connection) -> None:
-    """After the upgrade to 0031 of a send log with sent emails, mail.campaign_outcomes_daily counts the send
-    log until the first fold counted it once (the deltas that count saw are dropped, later ones kept)."""
+    """The day counters' first fold (migration 0031 runs it on a send log with sent emails) counts the send
+    log once: the deltas that count saw are dropped, later ones kept."""
     db = campaign_row
     mint(db, "lc_a", "sending", [1, 2, 3, 4])
     mint(db, "sc_c", "pending", [5, 6])
@@ -320,7 +320,6 @@ def test_the_first_day_fold_seeds_from_the_send_log_and_keeps_later_changes(camp
     db.execute("delete from mail.campaign_day_counter")
     db.execute("insert into mail.campaign_day_counter_delta values ('lc_a', current_date, 'lifecycle', 'sent', 7)")
     assert not day_counters_used(db)
-    assert db.execute(OUTCOMES_DAILY).fetchall() == db.execute(OUTCOMES_DAILY_RECOUNT).fetchall()  # the view counts
     folded = db.execute("select mail.fold_campaign_day_counters()").fetchone()
     assert folded is not None and folded[0] >= 4  # sent and the outcome keys of lc_a's day, sent of sc_c's
     assert day_counters_used(db)

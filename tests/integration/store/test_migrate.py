@@ -251,8 +251,8 @@ def test_0031_gives_each_scheduled_holdout_row_the_slot_of_its_plan_on_a_live_se
     window where their email would have gone out. 0031 gives each the slot of the next recipient of its plan
     (provisioning order: user_id), the previous one's when it was last, its provisioning time when nothing of
     its campaign was planned; lifecycle holdout rows keep their minting. Sent emails and their outcomes
-    recorded before are counted per day by the first fold; nothing is lost, a rerun changes nothing, and
-    `--backfill` fills a row an old worker provisioned after the migration."""
+    recorded before are counted into the day counters by the migration; nothing is lost, a rerun changes
+    nothing, and `--backfill` fills a row an old worker provisioned after the migration."""
     from datetime import UTC, datetime, timedelta
 
     t0 = datetime(2026, 2, 2, 9, tzinfo=UTC)
@@ -280,12 +280,12 @@ def test_0031_gives_each_scheduled_holdout_row_the_slot_of_its_plan_on_a_live_se
         assert slots == {"nl:3": t0 + timedelta(hours=5), "nl:4": t0 + timedelta(hours=5),
                          "nl:8": t0 + timedelta(hours=7), "all_held:1": t0, "lc:1": None}
         assert conn.execute("select count(*) from mail.send_log").fetchone() == before
-        # the outcomes recorded before: counted by the view until the first fold seeds the day counters
+        # the outcomes recorded before: in the day counters the migration seeded (sent, delivered, with_outcome)
         daily = "select campaign, day, sent, delivered from mail.campaign_outcomes_daily order by campaign, day"
         assert conn.execute(daily).fetchall() == [("nl", t0.date(), 2, 2)]
-        assert conn.execute("select seeded_at from mail.campaign_day_counter_state").fetchone() == (None,)
-        assert conn.execute("select mail.fold_campaign_day_counters()").fetchone() == (3,)  # sent, delivered, with_outcome
-        assert conn.execute(daily).fetchall() == [("nl", t0.date(), 2, 2)]
+        assert conn.execute("select seeded_at is not null, folded from mail.campaign_day_counter_state"
+                            ).fetchone() == (True, 3)
+        assert conn.execute("select count(*) from mail.campaign_day_counter").fetchone() == (3,)
         # a row an old worker provisions without a slot after the migration: filled by the rerun, nothing else
         conn.execute("insert into mail.send_log (user_id, campaign, kind, email, status, minted_at) values"
                      " (9, 'nl', 'scheduled', 'u9@example.com', 'holdout', %s)", (t0,))

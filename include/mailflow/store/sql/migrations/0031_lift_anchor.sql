@@ -17,8 +17,9 @@
 -- * Day counters (mailflow.store.backfill.install_outcome_day_counters runs
 --   store/sql/steps/0031_outcome_day_counters.sql in one short transaction): per campaign and day of sending,
 --   the sent emails and their outcomes, kept by statement-level triggers like 0028's counters and folded with
---   them. mail.campaign_outcomes_daily (Q12) and mail.campaign_outcomes read them once they are seeded (the
---   first fold after the upgrade, or at once on an empty send log), and count the send log until then.
+--   them. Seeded here, on the live send log, by their first fold (one count, about a minute at 20M rows;
+--   writers keep writing: what commits after its snapshot keeps its delta); then mail.campaign_outcomes_daily
+--   (Q12), and mail.campaign_outcomes through it, read them instead of every sent email of the campaign.
 -- * mail.campaign_lift_day / mail.campaign_lift_fold: the lift's rollup of closed windows, per campaign, group
 --   and day, filled by mail.fold_campaign_lift (store/sql/analytics/campaign_lift_fold.sql, installed where
 --   the product's schema is visible: it defines the conversion); the lift query adds the rows after each
@@ -33,13 +34,17 @@ create index concurrently if not exists send_log_holdout_slot_idx
 
 -- migrate: python install_outcome_day_counters
 
--- The same columns, in the same order and types: from the day counters once seeded (a filter on campaign and
--- day is a range of the counters' primary key), else counted from the send log as 0021 did. Exactly one of
--- the two branches runs: each is gated by the state row, evaluated once (a one-time filter).
+-- The day counters hold every sent email from here on: the first fold counts the send log once (one statement,
+-- one snapshot: the counts as of it and the deltas it sees; a change committed after it keeps its delta for the
+-- next fold), while the view below still counts the send log. About a minute at 20M rows (docs/performance.md).
+select mail.fold_campaign_day_counters();
+
+-- The same columns, in the same order and types, from the day counters (folded plus unfolded deltas): a filter
+-- on campaign (and day) is a range of their primary key, grouped in its order; the timezone is the campaign's.
 create or replace view mail.campaign_outcomes_daily as
 select o.campaign,
        o.kind,
-       o.timezone,
+       coalesce(c.timezone, 'UTC')                            as timezone,
        o.day,
        o.sent,
        o.delivered,
@@ -58,9 +63,8 @@ select o.campaign,
        round(o.unique_clicks::numeric / nullif(o.sent, 0), 6) as click_rate
 from (
     select x.campaign,
-           x.kind,
-           coalesce(c.timezone, 'UTC')                                                      as timezone,
            x.day,
+           x.kind,
            coalesce(sum(x.n) filter (where x.key = 'sent'), 0)::bigint                      as sent,
            coalesce(sum(x.n) filter (where x.key = 'delivered'), 0)::bigint                 as delivered,
            coalesce(sum(x.n) filter (where x.key = 'hard_bounced'), 0)::bigint              as hard_bounced,
@@ -72,42 +76,20 @@ from (
            coalesce(sum(x.n) filter (where x.key = 'unique_clicks'), 0)::bigint             as unique_clicks,
            (coalesce(sum(x.n) filter (where x.key = 'sent'), 0)
             - coalesce(sum(x.n) filter (where x.key = 'with_outcome'), 0))::bigint          as no_outcome_yet
-    from (select d.campaign, d.kind, d.day, d.key, d.n from mail.campaign_day_counter d
+    from (select d.campaign, d.day, d.kind, d.key, d.n from mail.campaign_day_counter d
           union all
-          select d.campaign, d.kind, d.day, d.key, d.n from mail.campaign_day_counter_delta d) as x
-    left join mail.campaign c on x.kind = 'scheduled' and c.name = x.campaign
-    where exists (select 1 from mail.campaign_day_counter_state s where s.seeded_at is not null)
-    group by x.campaign, x.kind, coalesce(c.timezone, 'UTC'), x.day
+          select d.campaign, d.day, d.kind, d.key, d.n from mail.campaign_day_counter_delta d) as x
+    group by x.campaign, x.day, x.kind
     having coalesce(sum(x.n) filter (where x.key = 'sent'), 0) <> 0
-    union all
-    select l.campaign,
-           l.kind,
-           coalesce(c.timezone, 'UTC')                                         as timezone,
-           (l.sent_at at time zone coalesce(c.timezone, 'UTC'))::date          as day,
-           count(*)                                                            as sent,
-           count(d.delivered_at)                                               as delivered,
-           count(d.hard_bounced_at)                                            as hard_bounced,
-           count(d.soft_bounced_at)                                            as soft_bounced,
-           count(d.complained_at)                                              as complained,
-           count(d.failed_at)                                                  as failed_after_send,
-           count(d.suppressed_at)                                              as suppressed,
-           count(d.first_opened_at)                                            as unique_opens,
-           count(d.first_clicked_at)                                           as unique_clicks,
-           count(*) filter (where d.outcome is null or d.outcome = 'delayed')  as no_outcome_yet
-    from mail.send_log l
-    left join mail.campaign c on l.kind = 'scheduled' and c.name = l.campaign
-    left join mail.delivery_status d on d.send_log_id = l.id
-    where l.status = 'sent'
-      and not exists (select 1 from mail.campaign_day_counter_state s where s.seeded_at is not null)
-    group by l.campaign, l.kind, coalesce(c.timezone, 'UTC'), (l.sent_at at time zone coalesce(c.timezone, 'UTC'))::date
-) as o;
+) as o
+left join mail.campaign c on o.kind = 'scheduled' and c.name = o.campaign;
 
 comment on view mail.campaign_outcomes_daily is
     'Per campaign and local day of sending: the emails the provider accepted (status sent) and what it reported '
     'about them since (mail.delivery_status: webhooks and the poll). Each email counts once per outcome it had; '
     'rates are fractions 0..1 of sent. Day = local date of sent_at in the scheduled campaign''s timezone, UTC '
-    'otherwise. Read from the day counters (mail.campaign_day_counter plus unfolded deltas) once seeded: a '
-    'campaign''s few hundred counter rows. Filter by campaign (and day). See docs/send_log.md.';
+    'otherwise. Read from the day counters (mail.campaign_day_counter plus unfolded deltas): a campaign''s '
+    'few hundred counter rows. Filter by campaign (and day). See docs/send_log.md.';
 
 -- The lift's rollup: rows whose conversion window closed, counted by mail.fold_campaign_lift.
 create table if not exists mail.campaign_lift_day (

@@ -19,8 +19,8 @@
 -- * mail.fold_campaign_day_counters(): moves the visible deltas into the counters (DELETE ... RETURNING), so
 --   two folds at once count nothing twice; the first call seeds the counters with one full count (one
 --   statement, one snapshot). mailflow.store.counters.fold calls it with the 0028 fold (the reconcile DAG).
--- * mail.campaign_day_counter_state: seeded_at null until that first count; until then
---   mail.campaign_outcomes_daily counts the send log as before.
+-- * mail.campaign_day_counter_state: seeded_at null until that first count, which the migration runs after
+--   this step (an empty send log is seeded here); then mail.campaign_outcomes_daily reads the counters.
 --
 -- A sent email's day never moves: sent is terminal and sent_at is written once, and a campaign's timezone can
 -- only change while it is a draft (before it has rows). Rows are never deleted by mailflow; a DELETE of
