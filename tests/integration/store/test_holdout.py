@@ -276,10 +276,11 @@ def test_campaign_lift_on_a_known_dataset(rig: Rig) -> None:
 def test_lift_window_anchored_on_each_users_send_time_lifecycle(rig: Rig) -> None:
     """A lifecycle run whose emails went out 20 minutes after they were minted (an ambiguous request, resent
     and accepted then), a month ago. A treated user's window starts when their email was sent: 3k convert 2
-    days after it, 3k+1 converted between the minting and the email (not because of it), 3k+2 six days and
-    23 hours after it (inside; a window from the minting had closed). A held-out user's starts at the
-    minting of their row, the moment the run decided about them with the users it emailed: 3k convert 2 days
-    after, 3k+1 an hour before, 3k+2 8 days after. The query and its fold give the exact numbers."""
+    days after it, 3k+1 converted between the minting and the email (not because of it), 3k+2 ten minutes
+    before its window closes (a window from the minting had closed ten minutes earlier). A held-out user's
+    starts at the minting of their row, the moment the run decided about them with the users it emailed: 3k
+    convert 2 days after, 3k+1 an hour before, 3k+2 8 days after. The query and its fold give the exact
+    numbers; a window from the minting for everybody would count 3k+1 and miss 3k+2."""
     users(rig.db, range(1, 91))
     campaign = dataclasses.replace(simple_campaign("lc_late", 1), holdout_share=0.4)
     rig.run([campaign])
@@ -294,7 +295,7 @@ def test_lift_window_anchored_on_each_users_send_time_lifecycle(rig: Rig) -> Non
     at: dict[int, Any] = {}
     for u in treated:
         minted, sent = rows[u]["minted_at"], rows[u]["sent_at"]
-        at[u] = {0: sent + 2 * D, 1: minted + timedelta(minutes=10), 2: sent + 7 * D - timedelta(hours=1)}[u % 3]
+        at[u] = {0: sent + 2 * D, 1: minted + timedelta(minutes=10), 2: sent + 7 * D - timedelta(minutes=10)}[u % 3]
     for u in held:
         at[u] = rows[u]["minted_at"] + {0: 2 * D, 1: -H, 2: 8 * D}[u % 3]
     for aid, (u, f) in enumerate(sorted(at.items()), start=1):

@@ -38,7 +38,7 @@
 -- and its latest send (send_log_campaign_sent_idx), each campaign's rollup rows (its primary key range), its
 -- treated rows since the watermark (a range of send_log_campaign_sent_idx), its held-out rows since the
 -- watermark (a range of send_log_holdout_slot_idx), each user's assessments
--- (assessments_user_id_started_at_idx, app_schema.sql).
+-- (assessments_user_id_started_at_cover_idx, app_schema.sql: index-only).
 with recursive params as (
     select interval '7 days' as horizon
 ), seen (campaign) as (
