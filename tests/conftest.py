@@ -38,7 +38,7 @@ UNSUBSCRIBE_SECRET = "test-secret-0123456789abcdef"
 MAIL_TABLES = ("mail.send_event, mail.send_log, mail.send_batch, mail.rate_slot, mail.circuit_breaker, mail.suppression,"
                " mail.contact, mail.campaign_address, mail.mailbox, mail.webhook_event, mail.delivery_event,"
                " mail.reputation_guard, mail.reputation_setting, mail.test_email, mail.test_email_event,"
-               " mail.campaign_approval")
+               " mail.campaign_approval, mail.campaign_lift_day, mail.campaign_lift_fold")
 """Emptied before every test that takes ``db``; a table without a foreign key to the send log must be named
 (``cascade`` does not reach it), or one test's rows leak into the next one's views."""
 

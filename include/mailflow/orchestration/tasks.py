@@ -221,7 +221,7 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
     from mailflow.orchestration.alerts import dead_letter_alert, held_batch_alert, key_refused_alert
     from mailflow.provider.hook import ResendHook
     from mailflow.reconciler import reconcile
-    from mailflow.store import counters
+    from mailflow.store import counters, lift
     from mailflow.store.migrate import require_current
 
     params = context["params"]
@@ -242,10 +242,21 @@ def reconcile_send_log(context: dict[str, Any]) -> dict[str, Any]:
             # the progress page's counters: keeps their table of unfolded changes short (the first run
             # after migration 0028 seeds them with one full count of the send log)
             folded = counters.fold(conn)
+            # the lift's closed conversion windows, where its fold is installed (it reads the product's
+            # schema; docs/send_log.md Q15): the first run after installing reads every holdout campaign once.
+            # An analytics rollup: its failure is logged, never the reconcile run's (the lift query still
+            # answers, reading the rows the fold has not counted)
+            try:
+                lifted = lift.fold(conn)
+            except psycopg.Error as exc:
+                log.warning("the lift's fold failed (mail.fold_campaign_lift): %s", exc)
+                lifted = None
         finally:
             hook.close()
-    log.info("reconcile: %s; campaign counters: %s", summary.as_dict(),
-             "another fold was running" if folded is None else f"{folded} changes folded")
+    log.info("reconcile: %s; campaign counters: %s; lift: %s", summary.as_dict(),
+             "another fold was running" if folded is None else f"{folded} changes folded",
+             "not folded (not installed, or another fold was running)" if lifted is None
+             else f"{lifted} rollup rows written")
     if summary.circuit == "open":
         log.warning("the provider's circuit breaker is open: its probe was not answered; senders mint and claim "
                     "nothing new (docs/operations.md, 'Circuit breaker')")

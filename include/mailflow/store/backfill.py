@@ -13,6 +13,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from importlib import resources
 
 import psycopg
 from psycopg import sql as pgsql
@@ -178,9 +179,121 @@ def allow_holdout_status(conn: psycopg.Connection, *, lock_timeout_seconds: floa
     return False
 
 
+_HOLDOUT_CAMPAIGNS = """
+with recursive seen (campaign) as (
+    (select h.campaign from mail.send_log h where h.status = 'holdout' order by h.campaign limit 1)
+    union all
+    select (select h.campaign from mail.send_log h where h.status = 'holdout' and h.campaign > s.campaign
+            order by h.campaign limit 1)
+    from seen s
+    where s.campaign is not null
+)
+select s.campaign from seen s where s.campaign is not null
+"""
+
+# Each held-out row's slot: the planned time of the campaign's next recipient in provisioning order (user_id)
+# that has one, else of the previous one, else the row's own minted_at (the provisioning time). Probes of
+# send_log_campaign_user_uq (campaign, user_id); scheduled rows are never released, so the key holds them all.
+_SET_HOLDOUT_SLOTS = """
+update mail.send_log h
+set scheduled_at = coalesce(
+        (select n.scheduled_at from mail.send_log n
+         where n.campaign = h.campaign and n.user_id > h.user_id and n.released_at is null
+           and n.status <> 'holdout' and n.scheduled_at is not null
+         order by n.user_id limit 1),
+        (select n.scheduled_at from mail.send_log n
+         where n.campaign = h.campaign and n.user_id < h.user_id and n.released_at is null
+           and n.status <> 'holdout' and n.scheduled_at is not null
+         order by n.user_id desc limit 1),
+        h.minted_at)
+where h.id = any(%(ids)s::bigint[]) and h.status = 'holdout' and h.kind = 'scheduled' and h.scheduled_at is null
+"""
+
+
+def backfill_holdout_slots(conn: psycopg.Connection) -> int:
+    """Migration 0031: give each scheduled ``holdout`` row without a planned time the slot of the plan it
+    would have had, so the lift can start its window where its treated neighbours' start
+    (docs/send_log.md, Q15).
+
+    Provisioning before 0031 planned the treated recipients only, in ``user_id`` order, and left the held-out
+    ones without a slot. The slot a held-out user would have taken is the one its next recipient in that
+    order got: the row's ``scheduled_at`` becomes the planned time of the campaign's next non-holdout row by
+    ``user_id`` (its latest planned time: a deferral or a resume moved it with the plan), else the previous
+    one's (it was the last), else its own ``minted_at`` (the provisioning time; a campaign without a planned
+    row). Lifecycle holdout rows are left alone: their window starts at ``minted_at``, the moment they were
+    decided, next to the emails minted and sent with them.
+
+    Per campaign (a skip scan of the holdout index), the rows to fill are read once and updated in
+    transactions of :data:`BATCH` rows; only rows still without ``scheduled_at`` change, so a rerun (an
+    interrupted migration, ``mailflow migrate --backfill`` after a rolling deploy whose old workers
+    provisioned meanwhile) fills what is left and nothing else.
+
+    :param conn: a psycopg 3 connection in autocommit mode (each batch is its own transaction).
+    :returns: the rows given a slot.
+    """
+    changed = 0
+    with conn.transaction():
+        campaigns = [str(r[0]) for r in conn.execute(_HOLDOUT_CAMPAIGNS).fetchall()]
+    for campaign in campaigns:
+        with conn.transaction():
+            ids = [int(r[0]) for r in conn.execute(
+                "select id from mail.send_log where status = 'holdout' and campaign = %s and kind = 'scheduled'"
+                " and scheduled_at is null order by id", (campaign,)).fetchall()]
+        for i in range(0, len(ids), BATCH):
+            with conn.transaction():
+                cur = conn.execute(_SET_HOLDOUT_SLOTS, {"ids": ids[i:i + BATCH]})
+                changed += max(cur.rowcount, 0)
+    log.info("holdout slots backfilled: %d rows", changed)
+    return changed
+
+
+_DAY_COUNT_TRIGGERS = tuple(f"{t}_day_count_{op}" for t, ops in (("send_log", ("insert", "update", "delete", "truncate")),
+                                                                ("delivery_status", ("insert", "update", "delete")))
+                            for op in ops)
+
+
+def install_outcome_day_counters(conn: psycopg.Connection, *, lock_timeout_seconds: float = 1.0,
+                                 retries: int = 10) -> bool:
+    """Migration 0031: the per-campaign, per-day outcome counters (``store/sql/steps/
+    0031_outcome_day_counters.sql``: tables, statement-level triggers on ``mail.send_log`` and
+    ``mail.delivery_status``, the fold, the seed of an empty send log), in one transaction: PL/pgSQL bodies
+    cannot run in a no-transaction migration. CREATE TRIGGER takes a brief SHARE ROW EXCLUSIVE lock on
+    both tables, with ``lock_timeout`` and retries with a growing pause, like the migrator's transactional
+    files.
+
+    Once installed (the fold function and the seven triggers exist) a rerun (``mailflow migrate
+    --backfill``) changes nothing and takes no lock.
+
+    :returns: True if it was installed now, False if it already was.
+    :raises psycopg.errors.LockNotAvailable: if the locks were not granted after the retries.
+    """
+    with conn.transaction():
+        row = conn.execute(
+            "select to_regprocedure('mail.fold_campaign_day_counters()') is not null"
+            " and (select count(*) from pg_trigger where tgname = any(%s::text[])) = %s",
+            (list(_DAY_COUNT_TRIGGERS), len(_DAY_COUNT_TRIGGERS))).fetchone()
+    if row is not None and row[0]:
+        return False
+    text = resources.files("mailflow.store.sql").joinpath("steps", "0031_outcome_day_counters.sql").read_text(
+        encoding="utf-8")
+    for attempt in range(retries + 1):
+        try:
+            with conn.transaction():
+                conn.execute("select set_config('lock_timeout', %s, true)", (f"{int(lock_timeout_seconds * 1000)}ms",))
+                conn.execute(text.encode())  # trusted file from the package
+            return True
+        except psycopg.errors.LockNotAvailable:
+            if attempt == retries:
+                raise
+            time.sleep(min(30.0, 0.5 * 2**attempt))
+    return False
+
+
 STEPS: dict[str, Callable[[psycopg.Connection], object]] = {
     "backfill_mailbox_keys": backfill_mailbox_keys,
     "require_suppression_keys": require_suppression_keys,
     "allow_holdout_status": allow_holdout_status,
+    "backfill_holdout_slots": backfill_holdout_slots,
+    "install_outcome_day_counters": install_outcome_day_counters,
 }
 """The named steps a migration may call (``-- migrate: python <name>``)."""

@@ -1,4 +1,5 @@
-"""The per-campaign counters of migration 0028: fold the pending changes, and read the counts.
+"""The per-campaign counters of migration 0028 (and 0031's per day of sending): fold the pending changes,
+and read the counts.
 
 Statement-level triggers on ``mail.send_log`` and ``mail.delivery_status`` append each statement's net
 change per (campaign, key) to ``mail.campaign_counter_delta`` in the writer's transaction;
@@ -24,12 +25,20 @@ def seeded(conn: psycopg.Connection) -> bool:
     return bool(row and row[0])
 
 
-def fold(conn: psycopg.Connection) -> int | None:
-    """Fold the pending changes into the counters, in a transaction of its own; the first call seeds them
-    (a full count of the send log: about a minute at 20M rows).
+def day_seeded(conn: psycopg.Connection) -> bool:
+    """Whether the day counters of migration 0031 hold every sent email (the migration seeds them with the
+    first fold; False only if that fold was skipped or the state was reset: the next fold seeds them)."""
+    row = conn.execute(query("counters", "day_seeded")).fetchone()
+    return bool(row and row[0])
 
-    :returns: the delta rows folded (the seed: counter rows written), or None when another fold is running
-        (that one folds the same rows; nothing waits).
+
+def fold(conn: psycopg.Connection) -> int | None:
+    """Fold the pending changes into the counters and the day counters of migration 0031 (the sent emails
+    and their outcomes per campaign and day of sending: ``mail.campaign_outcomes_daily``), in a transaction
+    of its own; the first call seeds each (a full count of the send log: about a minute at 20M rows).
+
+    :returns: the delta rows folded into the per-campaign counters (the seed: counter rows written), or None
+        when another fold is running (that one folds the same rows; nothing waits).
     """
     with conn.transaction():
         row = conn.execute(query("counters", "fold")).fetchone()

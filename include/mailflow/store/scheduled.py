@@ -184,7 +184,8 @@ class ScheduledStore:
 
     def provision_rows(self, campaign: str, page: list[dict[str, Any]], who: Mapping[str, Any]) -> tuple[int, int]:
         """Insert one page of rows (``who``: dag_id, run_id, task_id): each planned (``scheduled_at``) or,
-        with ``"status": "holdout"`` and no time, held out; ``(rows created, of them holdout)``."""
+        with ``"status": "holdout"``, held out at the slot it would have been sent in; ``(rows created, of
+        them holdout)``."""
         res = self._run("provision_rows", {"campaign": campaign, "page": Jsonb(page), **who}).fetchone()
         return (int(res[0]), int(res[1])) if res else (0, 0)
 

@@ -52,6 +52,10 @@ drop index if exists app.assessments_started_at_idx;
 create index if not exists assessments_finished_at_free_cover_idx
     on app.assessments (finished_at) include (user_id, score) where is_free;
 drop index if exists app.assessments_finished_at_free_idx;
--- per-user lookups (first_practice "never started", the engine's joins, FK).
-create index if not exists assessments_user_id_started_at_idx
-    on app.assessments (user_id, started_at);
+-- per-user lookups (first_practice "never started", the engine's joins, FK) and the lift's conversion probe
+-- (docs/send_log.md Q15: an assessment finished in a user's window), which reads finished_at from the index
+-- (INCLUDE): one index-only probe per user counted instead of a heap visit per assessment. It replaces the
+-- plain (user_id, started_at) index of earlier versions (same key).
+create index if not exists assessments_user_id_started_at_cover_idx
+    on app.assessments (user_id, started_at) include (finished_at);
+drop index if exists app.assessments_user_id_started_at_idx;

@@ -219,41 +219,48 @@ def load_demo_data(
 
 LIFT_COMMENTS = {
     None: "The lift of each campaign with a holdout group: treated (sent) against held-out users, conversion = "
-          "an assessment finished within 7 days after minted_at (store/sql/analytics/campaign_lift.sql; "
-          "installed by the demo loader where schema app is present, docs/send_log.md).",
+          "an assessment finished within 7 days after the user's email was (or, held out, would have been) "
+          "sent (store/sql/analytics/campaign_lift.sql; installed by the demo loader where schema app is "
+          "present, docs/send_log.md Q15). Filter by campaign to read one campaign.",
     "campaign": "Campaign name (one with at least one holdout row).",
     "kind": "lifecycle or scheduled.",
-    "treated": "Users of the treated group: rows with status sent.",
-    "treated_converted": "Of those, users who finished an assessment within the horizon after minted_at.",
+    "treated": "Users of the treated group: rows with status sent (window from sent_at).",
+    "treated_converted": "Of those, users who finished an assessment within the horizon after their sent_at.",
     "treated_rate": "treated_converted / treated (fraction 0..1, 6 decimals); null when treated = 0.",
-    "holdout": "Users of the held-out group: rows with status holdout.",
-    "holdout_converted": "Of those, users who finished an assessment within the horizon after minted_at.",
+    "holdout": "Users of the held-out group: rows with status holdout whose planned time has passed: the slot of "
+               "the plan (scheduled_at, at or before the campaign's latest send) or the minting (lifecycle).",
+    "holdout_converted": "Of those, users who finished an assessment within the horizon after that time.",
     "holdout_rate": "holdout_converted / holdout (fraction 0..1, 6 decimals); null when holdout = 0.",
     "lift": "treated_rate - holdout_rate (absolute, fraction); null when a group is empty.",
-    "horizon": "The conversion window after minted_at (7 days).",
-    "last_minted_at": "The latest decision of either group: windows of rows minted within the horizon are still open.",
+    "horizon": "The conversion window after each user's start (7 days).",
+    "open_windows": "Users of either group whose window started within the horizon before now: their rates "
+                    "still grow.",
 }
 """Comments of ``mail.campaign_lift`` (every view and column of schema mail has one)."""
 
 
 def install_lift_view(cur: psycopg.Cursor[Any]) -> bool:
-    """Create or replace ``mail.campaign_lift`` from the documented query
-    (``mailflow/store/sql/analytics/campaign_lift.sql``) when the send log is in this database.
+    """Create ``mail.campaign_lift`` from the documented query (``mailflow/store/sql/analytics/
+    campaign_lift.sql``) and the fold of its rollup, ``mail.fold_campaign_lift``
+    (``campaign_lift_fold.sql``), when the send log is in this database.
 
-    The query joins ``app.assessments`` (the product's schema), so it is no migration: the demo's
-    database holds both schemas, a production send-log database need not (docs/send_log.md,
-    "Holdout groups and lift"). Returns whether the view was installed (False: the database has no
-    send log yet; load the demo again after ``mailflow migrate`` to install it).
+    Both read ``app.assessments`` (the product's schema), so they are no migration: the demo's database
+    holds both schemas, a production send-log database need not (docs/send_log.md, Q15). The view is
+    dropped and created (its columns may change between versions). Returns whether they were installed
+    (False: the database has no send log migrated to 0031 yet; load the demo again after ``mailflow
+    migrate`` to install them).
     """
-    cur.execute("select to_regclass('mail.send_log') is not null")
+    cur.execute("select to_regclass('mail.send_log') is not null and to_regclass('mail.campaign_lift_fold') is not null")
     row = cur.fetchone()
     if row is None or not row[0]:
         return False
-    cur.execute(sql.SQL("create or replace view mail.campaign_lift as\n{}").format(sql.SQL(analytics("campaign_lift"))))
+    cur.execute("drop view if exists mail.campaign_lift")
+    cur.execute(sql.SQL("create view mail.campaign_lift as\n{}").format(sql.SQL(analytics("campaign_lift"))))
     for column, text in LIFT_COMMENTS.items():
         target = sql.SQL("view mail.campaign_lift") if column is None else \
             sql.SQL("column mail.campaign_lift.{}").format(sql.Identifier(column))
         cur.execute(sql.SQL("comment on {} is {}").format(target, sql.Literal(text)))
+    cur.execute(analytics("campaign_lift_fold"))
     return True
 
 

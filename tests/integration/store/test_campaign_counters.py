@@ -33,6 +33,31 @@ OUTCOME_COLUMNS = ("sent", "delivered", "hard_bounced", "soft_bounced", "complai
                    "complaint_rate", "open_rate", "click_rate", "guard_state", "account_guard_state", "holdout")
 
 
+#: mail.campaign_outcomes_daily as 0021 defined it: every sent email of the campaign and its delivery_status row,
+#: counted on each read (the day counters of 0031 must give exactly this).
+OUTCOMES_DAILY_RECOUNT = """
+select l.campaign, l.kind, coalesce(c.timezone, 'UTC') as timezone,
+       (l.sent_at at time zone coalesce(c.timezone, 'UTC'))::date as day,
+       count(*) as sent, count(d.delivered_at), count(d.hard_bounced_at), count(d.soft_bounced_at),
+       count(d.complained_at), count(d.failed_at), count(d.suppressed_at), count(d.first_opened_at),
+       count(d.first_clicked_at), count(*) filter (where d.outcome is null or d.outcome = 'delayed')
+from mail.send_log l
+left join mail.campaign c on l.kind = 'scheduled' and c.name = l.campaign
+left join mail.delivery_status d on d.send_log_id = l.id
+where l.status = 'sent'
+group by 1, 2, 3, 4
+order by 1, 2, 4
+"""
+OUTCOMES_DAILY = ("select campaign, kind, timezone, day, sent, delivered, hard_bounced, soft_bounced, complained,"
+                  " failed_after_send, suppressed, unique_opens, unique_clicks, no_outcome_yet"
+                  " from mail.campaign_outcomes_daily order by campaign, kind, day")
+
+
+def day_counters_used(conn: psycopg.Connection) -> bool:
+    """Whether the day counters hold every sent email (seeded), as mail.campaign_outcomes_daily reads them."""
+    return conn.execute("select seeded_at is not null from mail.campaign_day_counter_state").fetchone() == (True,)
+
+
 def _by_campaign(conn: psycopg.Connection, sql: str, params: dict[str, Any] | None, columns: tuple[str, ...]
                  ) -> dict[str, tuple[Any, ...]]:
     cur = conn.execute(sql, params)
@@ -48,6 +73,9 @@ def assert_counters_exact(conn: psycopg.Connection) -> None:
     view_o = _by_campaign(conn, "select * from mail.campaign_outcomes", None, OUTCOME_COLUMNS)
     counted_o = _by_campaign(conn, query("counters", "outcomes"), {"campaign": None}, OUTCOME_COLUMNS)
     assert counted_o == view_o
+    # per day of sending (Q12): the day counters (folded + unfolded) equal the recount, day by day
+    assert day_counters_used(conn)
+    assert conn.execute(OUTCOMES_DAILY).fetchall() == conn.execute(OUTCOMES_DAILY_RECOUNT).fetchall()
     for name in CAMPAIGNS:  # the page's one-campaign form and its day table read the same numbers
         one = _by_campaign(conn, query("counters", "progress"), {"campaign": name}, COUNTED)
         assert one == {k: v for k, v in view.items() if k == name}
@@ -179,6 +207,7 @@ def test_counters_equal_a_full_recount_after_any_mix_of_changes(campaign_row: ps
     assert_counters_exact(db)  # before the fold: counters + unfolded deltas
     fold(db)
     assert db.execute("select count(*) from mail.campaign_counter_delta").fetchone() == (0,)
+    assert db.execute("select count(*) from mail.campaign_day_counter_delta").fetchone() == (0,)
     assert_counters_exact(db)
 
 
@@ -234,7 +263,24 @@ def test_concurrent_writers_and_folds_count_each_change_once(db_dsn: str, db: ps
         except BaseException as exc:  # pragma: no cover
             errors.append(exc)
 
+    def reporter(offset: int) -> None:  # outcomes of the sent emails arrive while they are sent and folded
+        try:
+            with psycopg.connect(db_dsn, autocommit=True) as c:
+                for _ in range(20):
+                    ids = [r[0] for r in c.execute(
+                        "select l.id from mail.send_log l where l.status = 'sent' and l.user_id between %s and %s"
+                        " and not exists (select 1 from mail.delivery_status d where d.send_log_id = l.id)"
+                        " order by l.id limit 5", (offset, offset + 999))]
+                    if ids:
+                        c.execute(query("outcomes", "record_events"), {
+                            "send_log_ids": ids, "pids": [f"p{i}" for i in ids], "events": ["delivered"] * len(ids),
+                            "bounce_types": [None] * len(ids), "occurred": [datetime.now(UTC)] * len(ids),
+                            "sources": ["webhook"] * len(ids), "svix_ids": [uuid.uuid4().hex for _ in ids]})
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
     threads = [threading.Thread(target=writer, args=(o,)) for o in (1000, 2000)]
+    threads += [threading.Thread(target=reporter, args=(o,)) for o in (1000, 2000)]
     threads += [threading.Thread(target=folder) for _ in range(2)]
     for t in threads:
         t.start()
@@ -259,3 +305,28 @@ def test_the_first_fold_seeds_from_the_send_log_and_keeps_later_changes(db: psyc
     assert db.execute(query("counters", "seeded")).fetchone() == (True,)
     apply(db, ("send", [0]))
     assert_counters_exact(db)
+
+
+def test_the_first_day_fold_seeds_from_the_send_log_and_keeps_later_changes(campaign_row: psycopg.Connection) -> None:
+    """The day counters' first fold (migration 0031 runs it on a send log with sent emails) counts the send
+    log once: the deltas that count saw are dropped, later ones kept."""
+    db = campaign_row
+    mint(db, "lc_a", "sending", [1, 2, 3, 4])
+    mint(db, "sc_c", "pending", [5, 6])
+    apply(db, ("claim", [0, 1]))
+    apply(db, ("send", [0, 1, 2, 3, 4, 5]))
+    apply(db, ("outcome", [0, 1], ("bounced", "Permanent"), 5))
+    db.execute("update mail.campaign_day_counter_state set seeded_at = null")
+    db.execute("delete from mail.campaign_day_counter")
+    db.execute("insert into mail.campaign_day_counter_delta values ('lc_a', current_date, 'lifecycle', 'sent', 7)")
+    assert not day_counters_used(db)
+    folded = db.execute("select mail.fold_campaign_day_counters()").fetchone()
+    assert folded is not None and folded[0] >= 4  # sent and the outcome keys of lc_a's day, sent of sc_c's
+    assert day_counters_used(db)
+    assert db.execute("select count(*) from mail.campaign_day_counter_delta").fetchone() == (0,)
+    apply(db, ("outcome", [2], ("delivered", None), 5))  # after the seed: deltas, counted once
+    assert db.execute("select key, n from mail.campaign_day_counter_delta order by key").fetchall() == [
+        ("delivered", 1), ("with_outcome", 1)]
+    assert_counters_exact(db)
+    assert db.execute("select sum(sent), sum(hard_bounced), sum(delivered) from mail.campaign_outcomes_daily"
+                      ).fetchone() == (6, 2, 1)

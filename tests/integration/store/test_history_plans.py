@@ -227,7 +227,7 @@ def test_q3_probes_each_audience_user_by_index(backlog: psycopg.Connection) -> N
         [[doc]] = backlog.execute(f"explain (format json) {sql}", params).fetchall()  # type: ignore[arg-type]
     scans = [(n["Node Type"], n.get("Relation Name"), n.get("Index Name")) for n in _nodes(doc[0]["Plan"])]
     assert not [x for x in scans if x[0] == "Seq Scan" and x[1] in ("send_log", "assessments", "send_event")], scans
-    assert ("Index Only Scan", "assessments", "assessments_user_id_started_at_idx") in scans
+    assert ("Index Only Scan", "assessments", "assessments_user_id_started_at_cover_idx") in scans
 
     def unlimited(node: dict[str, Any], limited: bool = False) -> list[str]:
         """Scans of send_log / assessments with no LIMIT above them (a whole-table anti-join input)."""
@@ -240,3 +240,93 @@ def test_q3_probes_each_audience_user_by_index(backlog: psycopg.Connection) -> N
     assert unlimited(doc[0]["Plan"]) == []  # each check is a `lateral (... limit 1)` probe per audience user
     [[n]] = backlog.execute(sql, params).fetchall()
     assert n == 0  # the run's audience (signed up in its 2 days) had no other email
+
+
+OUTCOMES_DAILY_RECOUNT = """
+select l.campaign, (l.sent_at at time zone coalesce(c.timezone, 'UTC'))::date as day, count(*),
+       count(d.delivered_at), count(d.hard_bounced_at), count(d.first_opened_at),
+       count(*) filter (where d.outcome is null or d.outcome = 'delayed')
+from mail.send_log l
+left join mail.campaign c on l.kind = 'scheduled' and c.name = l.campaign
+left join mail.delivery_status d on d.send_log_id = l.id
+where l.status = 'sent' and l.campaign = %(campaign)s
+group by 1, 2
+order by 2
+"""
+
+
+def test_q12_reads_the_campaigns_day_counters_not_its_sent_emails(backlog: psycopg.Connection) -> None:
+    """docs/send_log.md Q12 over a campaign's whole history (100,000 emails sent over 300 days, outcomes for
+    a third of them) reads that campaign's day counters (0031), never its sent emails or their outcomes
+    (the count 0021's view made on every read: 1.5-3 s at 20M rows), and gives the same numbers, folded or
+    not."""
+    from send_log_demo import doc_query
+
+    _, sql = doc_query(12)
+    params = {"campaign": "old", "since": "-infinity"}
+    with backlog.transaction(force_rollback=True):
+        backlog.execute("insert into mail.delivery_status (send_log_id, provider_message_id, last_event, delivered_at,"
+                        " hard_bounced_at, first_opened_at, outcome)"
+                        " select id, provider_message_id, 'x', case when id % 7 <> 0 then sent_at end,"
+                        " case when id % 7 = 0 then sent_at end, case when id % 2 = 0 then sent_at end,"
+                        " case when id % 7 = 0 then 'hard_bounced' else 'delivered' end"
+                        " from mail.send_log where campaign = 'old' and id % 3 = 0")
+        expected = backlog.execute(OUTCOMES_DAILY_RECOUNT, {"campaign": "old"}).fetchall()
+        assert len(expected) > 250 and sum(r[2] for r in expected) == 100_000
+        for folded in (False, True):
+            if folded:
+                assert backlog.execute("select mail.fold_campaign_day_counters()").fetchone() != (None,)
+            got = [(r[0], r[1], r[2], r[3], r[4], r[8], r[10])
+                   for r in backlog.execute(sql, params).fetchall()]  # type: ignore[arg-type]
+            assert got == expected
+            nodes = _analyze(backlog, sql, params)
+            read = {(n.get("Relation Name"), n.get("Index Name")) for n in nodes
+                    if n.get("Relation Name") and n.get("Actual Loops", 0) > 0}
+            assert {r for r, _ in read} <= {"campaign_day_counter", "campaign_day_counter_delta",
+                                           "campaign_day_counter_state", "campaign"}, read
+            assert ("campaign_day_counter", "campaign_day_counter_pkey") in read
+            rows = sum(int(n.get("Actual Rows", 0)) * int(n.get("Actual Loops", 1)) for n in nodes
+                       if n.get("Relation Name") in ("campaign_day_counter", "campaign_day_counter_delta"))
+            assert rows <= 6 * len(expected) + (0 if folded else 2_000), rows  # a row per day and key
+
+
+def test_q15_reads_the_folded_days_and_the_rows_since_the_watermark(backlog: psycopg.Connection) -> None:
+    """docs/send_log.md Q15 for a lifecycle campaign that has sent for 300 days (50,000 emails, 10% held
+    out): before a fold it reads every row of the campaign (index ranges, one conversion probe each); after
+    mail.fold_campaign_lift it reads the campaign's folded days and only the rows of its last 8 days by
+    index (about 1,300 of them), never the campaign's history or the send log, and gives the same lift."""
+    from send_log_demo import doc_query
+
+    from mailflow.store import lift
+
+    _, sql = doc_query(15)
+    with backlog.transaction(force_rollback=True):
+        backlog.execute("insert into mail.send_log (user_id, campaign, kind, email, status, minted_at, claimed_at,"
+                        " sent_at, provider_message_id, attempts)"
+                        " select g, 'lc_lift', 'lifecycle', 'user' || g || '@example.com',"
+                        " case when mail.in_holdout('lc_lift', g, 0.1) then 'holdout' else 'sent' end, t, t,"
+                        " case when not mail.in_holdout('lc_lift', g, 0.1) then t + interval '2 seconds' end,"
+                        " case when not mail.in_holdout('lc_lift', g, 0.1) then 'pm-lift-' || g end, 1"
+                        " from (select g, now() - interval '300 days' * (1 - g / 50001.0) as t"
+                        "       from generate_series(1, 50000) g) as x")
+        backlog.execute("update app.assessments set finished_at = started_at + interval '20 minutes'"
+                        " where assessment_id % 3 = 0")
+        backlog.execute("analyze mail.send_log")
+        unfolded = backlog.execute(sql).fetchall()
+        [row] = [r for r in unfolded if r[0] == "lc_lift"]
+        assert row[2] + row[5] == 50_000 and 4_000 < row[5] < 6_000
+        nodes = _analyze(backlog, sql, {})
+        read = sum(int(n.get("Actual Rows", 0)) * int(n.get("Actual Loops", 1)) for n in nodes
+                   if n.get("Index Name") in ("send_log_campaign_sent_idx", "send_log_holdout_slot_idx"))
+        assert read >= 50_000  # no watermark yet: the whole campaign
+        lift.install(backlog)
+        assert backlog.execute("select mail.fold_campaign_lift()").fetchone() not in ((None,), (0,))
+        assert backlog.execute(sql).fetchall() == unfolded
+        nodes = _analyze(backlog, sql, {})
+        scans = [(n["Node Type"], n.get("Relation Name"), n.get("Index Name")) for n in nodes if n.get("Relation Name")]
+        assert not [s for s in scans if s[0].startswith(("Seq Scan", "Bitmap")) and s[1] == "send_log"], scans
+        read = sum(int(n.get("Actual Rows", 0)) * int(n.get("Actual Loops", 1)) for n in nodes
+                   if n.get("Index Name") in ("send_log_campaign_sent_idx", "send_log_holdout_slot_idx"))
+        assert read < 50_000 * 9 / 300 + 100, read  # the last 8 days (and a latest-send probe)
+        probes = sum(int(n.get("Actual Loops", 0)) for n in nodes if n.get("Relation Name") == "assessments")
+        assert probes < 50_000 * 9 / 300, probes

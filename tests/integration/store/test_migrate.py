@@ -136,6 +136,9 @@ SEND_LOG_INDEXES = {
                             " WHERE (status = ANY (ARRAY['pending'::text, 'sending'::text, 'sent'::text]))",
     "send_log_holdout_idx": "CREATE INDEX send_log_holdout_idx ON mail.send_log USING btree (campaign, minted_at)"
                             " INCLUDE (user_id, kind) WHERE (status = 'holdout'::text)",
+    "send_log_holdout_slot_idx": "CREATE INDEX send_log_holdout_slot_idx ON mail.send_log USING btree (campaign,"
+                                 " COALESCE(scheduled_at, minted_at)) INCLUDE (user_id, kind)"
+                                 " WHERE (status = 'holdout'::text)",
 }
 
 
@@ -232,14 +235,67 @@ def test_0018_rolling_deploy_rows_written_without_a_key_after_migrating_are_keye
         assert main(["migrate", "--backfill", "--dsn", fresh]) == 0
         assert capsys.readouterr().out.splitlines() == [
             "schema up to date", "backfill steps run again: backfill_mailbox_keys, require_suppression_keys, "
-            "allow_holdout_status"]
+            "allow_holdout_status, backfill_holdout_slots, install_outcome_day_counters"]
         assert conn.execute("select user_id, email_key from mail.send_log order by id").fetchall() == [
             (1, "late@example.com"), (2, "οδοσ@example.gr"), (3, "bob@example.com")]
         assert conn.execute("select count(*) from mail.suppression").fetchone() == (0,)
         # idempotent: again, nothing changes
         assert migrator.rerun_backfills(conn) == ["backfill_mailbox_keys", "require_suppression_keys",
-                                                 "allow_holdout_status"]
+                                                 "allow_holdout_status", "backfill_holdout_slots",
+                                                 "install_outcome_day_counters"]
         assert conn.execute("select count(*), count(email_key) from mail.send_log").fetchone() == (3, 3)
+
+
+def test_0031_gives_each_scheduled_holdout_row_the_slot_of_its_plan_on_a_live_send_log(fresh: str) -> None:
+    """Holdout rows provisioned before 0031 had no planned time, so the lift could not start a held-out user's
+    window where their email would have gone out. 0031 gives each the slot of the next recipient of its plan
+    (provisioning order: user_id), the previous one's when it was last, its provisioning time when nothing of
+    its campaign was planned; lifecycle holdout rows keep their minting. Sent emails and their outcomes
+    recorded before are counted into the day counters by the migration; nothing is lost, a rerun changes
+    nothing, and `--backfill` fills a row an old worker provisioned after the migration."""
+    from datetime import UTC, datetime, timedelta
+
+    t0 = datetime(2026, 2, 2, 9, tzinfo=UTC)
+    with psycopg.connect(fresh, autocommit=True) as conn:
+        migrate(conn, target=28)
+        # nl: users 1..8 planned an hour apart in user_id order, 3, 4 and 8 held out (no slot); 1, 2 sent
+        for u in range(1, 9):
+            held = u in (3, 4, 8)
+            conn.execute("insert into mail.send_log (user_id, campaign, kind, email, status, scheduled_at, minted_at,"
+                         " sent_at, provider_message_id, attempts) values (%s, 'nl', 'scheduled', %s, %s, %s, %s, %s,"
+                         " %s, %s)", (u, f"u{u}@example.com", "holdout" if held else "sent" if u < 3 else "pending",
+                                      None if held else t0 + timedelta(hours=u), t0 - timedelta(days=1),
+                                      t0 + timedelta(hours=u, seconds=30) if u < 3 else None,
+                                      f"pm-{u}" if u < 3 else None, 1 if u < 3 else 0))
+        conn.execute("insert into mail.send_log (user_id, campaign, kind, email, status, minted_at) values"
+                     " (1, 'all_held', 'scheduled', 'u1@example.com', 'holdout', %s),"
+                     " (1, 'lc', 'lifecycle', 'u1@example.com', 'holdout', %s)", (t0, t0))
+        conn.execute("insert into mail.delivery_status (send_log_id, provider_message_id, last_event, delivered_at,"
+                     " outcome) select id, provider_message_id, 'delivered', sent_at, 'delivered' from mail.send_log"
+                     " where status = 'sent'")
+        before = conn.execute("select count(*) from mail.send_log").fetchone()
+        assert migrate(conn) == [m.name for m in migration_files() if m.version > 28]
+        slots = dict(conn.execute("select campaign || ':' || user_id, scheduled_at from mail.send_log"
+                                  " where status = 'holdout'").fetchall())
+        assert slots == {"nl:3": t0 + timedelta(hours=5), "nl:4": t0 + timedelta(hours=5),
+                         "nl:8": t0 + timedelta(hours=7), "all_held:1": t0, "lc:1": None}
+        assert conn.execute("select count(*) from mail.send_log").fetchone() == before
+        # the outcomes recorded before: in the day counters the migration seeded (sent, delivered, with_outcome)
+        daily = "select campaign, day, sent, delivered from mail.campaign_outcomes_daily order by campaign, day"
+        assert conn.execute(daily).fetchall() == [("nl", t0.date(), 2, 2)]
+        assert conn.execute("select seeded_at is not null, folded from mail.campaign_day_counter_state"
+                            ).fetchone() == (True, 3)
+        assert conn.execute("select count(*) from mail.campaign_day_counter").fetchone() == (3,)
+        # a row an old worker provisions without a slot after the migration: filled by the rerun, nothing else
+        conn.execute("insert into mail.send_log (user_id, campaign, kind, email, status, minted_at) values"
+                     " (9, 'nl', 'scheduled', 'u9@example.com', 'holdout', %s)", (t0,))
+        assert migrator.rerun_backfills(conn)[-2:] == ["backfill_holdout_slots", "install_outcome_day_counters"]
+        assert conn.execute("select scheduled_at from mail.send_log where campaign = 'nl' and user_id = 9"
+                            ).fetchone() == (t0 + timedelta(hours=7),)
+        assert conn.execute("select count(*) from mail.send_log where status = 'holdout' and scheduled_at is null"
+                            ).fetchone() == (1,)  # the lifecycle row
+        from mailflow.store.backfill import install_outcome_day_counters
+        assert install_outcome_day_counters(conn) is False  # installed: no lock taken again
 
 
 def test_0011_drops_concurrently_outside_a_transaction() -> None:

@@ -137,7 +137,7 @@ def load_series(conn: psycopg.Connection, name: str | None = None, *, now: datet
     (the list: the last 30 UTC days; one campaign: from its first to its last sending day, in its
     timezone). ``plan`` (scheduled campaigns only, else None): ``{"unit": "hour" | "day", "t": [...],
     "planned": [...], "sent": [...]}``, cumulative counts at the end of each step; planned counts
-    every row not cancelled at its ``scheduled_at`` (holdout rows have no slot: not planned).
+    every row not cancelled at its ``scheduled_at`` (a holdout row keeps its slot but sends nothing: not planned).
     """
     if now is None:
         now = conn.execute("select now()").fetchone()[0]  # type: ignore[index]

@@ -172,7 +172,10 @@ def provision(conn: psycopg.Connection, campaign_id: int, *, now: datetime, chun
     ``scheduled_at`` (UTC) and a snapshot (address; context = the recipient's extra columns plus the
     rendered ``subject``), ``chunk`` recipients per transaction. A recipient in the campaign's holdout
     group (``mail.campaign.holdout_share``, :func:`mailflow.model.holdout.in_holdout`) gets a ``holdout``
-    row instead: no slot in the plan, never claimed (``holdout`` counts them, of ``created``).
+    row instead, with the slot the plan gave it as its ``scheduled_at`` (the plan is made for every
+    recipient, so treated and held-out users are spread over the same days; the lift starts a held-out
+    user's window there), never claimed or sent (``holdout`` counts them, of ``created``). The summary's
+    send times and per-day counts are of the emails (``first_send``, ``last_send``, ``per_day_max``).
 
     Idempotent and resumable: each chunk's rows and the checkpoint commit together, rows are
     inserted ``ON CONFLICT DO NOTHING``, and a second call continues after the checkpoint (creating
@@ -280,23 +283,28 @@ def _provision_chunks(conn: psycopg.Connection, campaign_id: int, now: datetime,
             usable = [r for r in recipients if r[1]]
             summary.skipped_no_email += len(recipients) - len(usable)
             share = float(c.get("holdout_share") or 0.0)
-            held_out = [r for r in usable if in_holdout(c["name"], r[0], share)]
-            usable = [r for r in usable if not in_holdout(c["name"], r[0], share)]
             summary.recipients += len(recipients)
             planned_through, plan_skip = c["planned_through"], int(c["plan_skip"])
-            times = list(plan_after(spec, plan_start, plan_skip, planned_through, len(usable)))
-            if times and times[0] < now:
+            # every recipient gets its slot, the held-out ones too: the plan is the one a campaign without a
+            # holdout group would make, so a held-out user's window starts where its email would have gone
+            # out, distributed over the campaign's weeks exactly as the treated users' (docs/model.md,
+            # "Holdout groups"); a held-out slot sends nothing
+            slots = list(plan_after(spec, plan_start, plan_skip, planned_through, len(usable)))
+            if slots and slots[0] < now:
                 # the plan ran out while provisioning was stopped: continue from now, not in the past
                 plan_start, planned_through = now, None
                 plan_skip = used_on_day(conn, c, spec, now, include_pending=True)
                 ScheduledStore(conn).set_plan(campaign_id, plan_start, plan_skip, None)
-                times = list(plan_after(spec, plan_start, plan_skip, None, len(usable)))
+                slots = list(plan_after(spec, plan_start, plan_skip, None, len(usable)))
                 summary.reanchored = True
                 planned_from = now
             if planned_from is None:
                 planned_from = planned_through or plan_start
+            held_out = [(r, at) for r, at in zip(usable, slots, strict=True) if in_holdout(c["name"], r[0], share)]
+            planned = [(r, at) for r, at in zip(usable, slots, strict=True) if not in_holdout(c["name"], r[0], share)]
+            times = [at for _, at in planned]
             rows = []
-            for (uid, email, ctx), at in zip(usable, times, strict=True):
+            for (uid, email, ctx), at in planned:
                 user = {"user_id": uid, "email": email, **ctx}
                 try:
                     subject = " ".join(subject_t.render(user=user, campaign=c["name"], app_url=settings.app_url()).split())
@@ -307,13 +315,13 @@ def _provision_chunks(conn: psycopg.Connection, campaign_id: int, now: datetime,
                 rows.append({"user_id": uid, "email": email, "email_key": mailbox_key(email),
                              "context": {**ctx, "subject": subject}, "scheduled_at": at.isoformat()})
             rows += [{"user_id": uid, "email": email, "email_key": mailbox_key(email), "context": ctx,
-                      "scheduled_at": None, "status": "holdout"} for uid, email, ctx in held_out]
+                      "scheduled_at": at.isoformat(), "status": "holdout"} for (uid, email, ctx), at in held_out]
             created = holdout = 0
             if rows:
                 created, holdout = ScheduledStore(conn).provision_rows(c["name"], rows, {
                     "dag_id": run.dag_id, "run_id": run.run_id, "task_id": run.task_id})
             ScheduledStore(conn).advance_checkpoint(campaign_id, created, cursor,
-                                                    times[-1] if times else planned_through, plan_start)
+                                                    slots[-1] if slots else planned_through, plan_start)
         summary.chunks += 1
         summary.created += created
         summary.holdout += holdout

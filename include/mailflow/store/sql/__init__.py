@@ -37,8 +37,9 @@ def query(domain: str, name: str) -> str:
 
 
 def analytics(name: str) -> str:
-    """Return the analysts' query ``store/sql/analytics/<name>.sql`` (one SELECT, no parameters, no
-    trailing semicolon), as documented in docs/send_log.md: the text runs unmodified in psql.
+    """Return the analysts' SQL ``store/sql/analytics/<name>.sql`` without its trailing semicolon, as
+    documented in docs/send_log.md: the text runs unmodified in psql. ``campaign_lift`` is one SELECT
+    without parameters; ``campaign_lift_fold`` creates the function that folds its rollup.
 
     :raises FileNotFoundError: if there is no such file.
     """

@@ -3,10 +3,16 @@
 -- empty send log); until then readers use the views. One row.
 select seeded_at is not null from mail.campaign_counter_state
 
+-- name: day_seeded
+-- Whether the day counters hold every sent email (migration 0031 seeds them with their first fold; until
+-- then mail.campaign_outcomes_daily misses what the seed counts). One row.
+select seeded_at is not null from mail.campaign_day_counter_state
+
 -- name: fold
--- Fold the pending changes into mail.campaign_counter (the first call seeds it with a full count). Returns
--- the delta rows folded, or null when another fold is running (it folds the same rows: nothing is lost).
-select mail.fold_campaign_counters()
+-- Fold the pending changes into mail.campaign_counter (0028) and mail.campaign_day_counter (0031; the first
+-- call of each seeds it with a full count). Returns the delta rows folded of each, or null for one another
+-- fold is running (it folds the same rows: nothing is lost).
+select mail.fold_campaign_counters(), mail.fold_campaign_day_counters()
 
 -- name: progress
 -- mail.campaign_progress's columns, in its order, from the counters (mail.campaign_counts: folded counts

@@ -91,7 +91,8 @@ where r.user_id > %(after)s
 
 -- name: provision_rows
 -- One chunk of rows (kind 'scheduled') with their recipient snapshot: 'pending' with the planned
--- time, or 'holdout' (the recipient is in the campaign's holdout group: no time, never claimed).
+-- time, or 'holdout' (the recipient is in the campaign's holdout group: the slot it would have been sent in,
+-- never claimed).
 -- ON CONFLICT DO NOTHING on the live unique key (user_id, campaign): a row that exists is kept as
 -- it is. The creation event (null -> status) is appended in the same statement.
 with created as (
