@@ -36,8 +36,8 @@ Bounded exposure. A scope is *proven* once the bounce and gross-complaint tests 
 boundary (their rates are known to be healthy), and stays proven until either ratio rises above 0. While a
 scope is not proven, at most ``exposure`` (E, default 10,000) of its emails are granted per round
 (:func:`admit`, called by the lifecycle source before each chunk and by the dispatcher's claim); a new round
-starts once as many outcomes have arrived as the round sent, or when none came for ``outcome_wait`` (default
-15 minutes). A bad audience is therefore stopped within its first E emails whenever its test needs fewer
+starts once as many outcomes have arrived as the round sent, or, after ``outcome_wait`` (default 15 minutes)
+without a grant, once 90 % of them have (time alone never opens a round: a dead feedback channel holds it). A bad audience is therefore stopped within its first E emails whenever its test needs fewer
 than E outcomes (a 100 % bounce list needs 5; 0.5 % complaints about 870); a healthy one is proven after
 about 300 bounce outcomes and 1,300 deliveries, and then sends at full speed.
 
@@ -54,6 +54,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -77,6 +78,21 @@ HEALTHY_FRACTION = 4.0
 GROSS_FACTOR = 10.0
 #: The smallest E an account's setting may hold (mail.reputation_setting's check: one full batch).
 MIN_SETTING_EXPOSURE = 100
+#: After the outcome wait, a round ends once this share of its emails has an outcome (the rest may be lost
+#: for good); with less, it keeps waiting for feedback: time alone never opens a round.
+ROUND_EVIDENCE = 0.9
+_WARNED: dict[str, float] = {}
+
+
+def _warn_once(key: str, message: str, every: float = 60.0) -> None:
+    """Log ``message`` as a warning at most once per ``every`` seconds per ``key`` in this process (a
+    waiting lifecycle run evaluates every second)."""
+    now = time.monotonic()
+    if now - _WARNED.get(key, -every) >= every:
+        _WARNED[key] = now
+        log.warning("%s", message)
+
+
 #: Obsolete settings of the windowed guard: ignored, with a warning.
 _OBSOLETE = ("MAILFLOW_GUARD_MIN_SAMPLE", "MAILFLOW_GUARD_MAX_SAMPLE", "MAILFLOW_GUARD_WINDOW_HOURS")
 
@@ -94,8 +110,9 @@ class GuardConfig:
         first round is spent).
     :param complaint_lag: complaints are expected over this long after delivery (default 24 h); a
         delivered email weighs ``age / complaint_lag`` (at most 1) in the complaint test.
-    :param outcome_wait: a round whose outcomes stopped coming is over after this long without a grant
-        (default 15 minutes; a dropped webhook must not hold a campaign forever).
+    :param outcome_wait: a round that has 90 % of its outcomes (:data:`ROUND_EVIDENCE`) is over after this
+        long without a grant (default 15 minutes: a webhook lost for good must not hold a campaign forever);
+        with fewer it keeps waiting for feedback.
     :param false_trip: alpha of each test (default 0.001).
     :param miss: beta of each test (default 0.01).
     :param account_every: the account scope is evaluated at most this often (default 1 s).
@@ -465,14 +482,18 @@ def _update(conn: psycopg.Connection, row: dict[str, Any], now_counts: dict[str,
     elif round_sent > 0:
         came = now_counts["with_outcome"] - int(round_outcomes or 0)
         timed_out = last_grant is not None and now - float(last_grant) >= config.outcome_wait.total_seconds()
+        # time alone never opens a round: after the outcome wait the few outcomes that never came (a webhook
+        # lost for good) no longer hold it, but most of the round's evidence must be in
+        enough = came >= math.ceil(ROUND_EVIDENCE * round_sent)
         if came < round_sent and timed_out:
-            # sending goes on without the evidence: say so (a dead feedback channel looks like this)
-            log.warning("reputation guard (%s %s): %d of its round's %d emails still have no outcome after the "
-                        "outcome wait (%s); a new round starts%s", row["scope"], row["name"], round_sent - max(came, 0),
-                        round_sent, config.outcome_wait,
-                        ": no outcome arrived at all; are the webhooks and the deliverability poll running?"
-                        if came <= 0 else "")
-        if came >= round_sent or timed_out:
+            _warn_once(f"{row['scope']} {row['name']} {last_grant}", (
+                f"reputation guard ({row['scope']} {row['name']}): {round_sent - max(came, 0)} of its round's "
+                f"{round_sent} emails still have no outcome after the outcome wait ({config.outcome_wait}); "
+                + ("a new round starts" if enough else
+                   f"the round waits for them (it needs {ROUND_EVIDENCE:.0%} of them)")
+                + (": no outcome arrived at all; are the webhooks and the deliverability poll running?"
+                   if came <= 0 else "")))
+        if came >= round_sent or (timed_out and enough):
             round_sent, round_outcomes, waiting = 0, now_counts["with_outcome"], False
     reason = None
     over = []
