@@ -453,7 +453,9 @@ def test_the_page_shows_outcome_rates_and_the_guard(server: Server, browser: Any
             " case when l.id = %(hb)s then 'hard_bounced' when l.id = %(c)s then 'complained' else 'delivered' end"
             " from mail.send_log l where l.id = any(%(ids)s)", {"ids": ids, "hb": ids[0], "c": ids[1]})
         conn.execute("insert into mail.reputation_guard (scope, name, state, tripped_at, reason)"
-                     " values ('campaign', 'first_practice', 'tripped', now(), %s)", (reason,))
+                     " values ('campaign', 'first_practice', 'tripped', now(), %s)"
+                     " on conflict (scope, name) do update set state = excluded.state,"
+                     " tripped_at = excluded.tripped_at, reason = excluded.reason", (reason,))
         conn.commit()
         cur = conn.execute("select delivered_rate, hard_bounce_rate, complaint_rate, sent, delivered, hard_bounced,"
                            " complained from mail.campaign_outcomes where campaign = 'first_practice'")

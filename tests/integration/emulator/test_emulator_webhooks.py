@@ -232,7 +232,8 @@ def test_lifecycle_by_seeded_rates_is_exactly_the_plan() -> None:
         for kind in ("email.bounced", "email.failed", "email.delivery_delayed", "email.complained", "email.opened",
                      "email.clicked"):
             assert counts[kind] > 0, kind  # each rate really applies
-        assert 300 * 0.7 < counts["email.delivered"] < 300 * 0.85
+        # 0.75 expected over 300 random ids (sd 7.5 emails): four sd either way, so it fails only if the rates do not apply
+        assert 300 * 0.65 < counts["email.delivered"] < 300 * 0.85
     # the same seed and id give the same events; another seed gives other ones
     assert all(plan_lifecycle(i, ["x@example.com"], cfg) == plan_lifecycle(i, ["x@example.com"], cfg) for i in ids)
     other = EmulatorConfig(seed=43, **RATES)  # type: ignore[arg-type]

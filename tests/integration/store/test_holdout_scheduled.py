@@ -61,6 +61,9 @@ def test_scheduled_holdout_rows_take_their_slot_of_the_plan_and_dispatch_never_s
     assert (summary.first_send, summary.last_send) == (treated_times[0], treated_times[-1])
     assert summary.per_day_max == max(Counter(t.date() for t in treated_times).values()) < 20
     rig.db.execute("update mail.campaign set status = 'cancelled' where id = %s", (cid2,))
+    # three days of slots, all long overdue: the per-day cap at claim time would re-plan them (no burst);
+    # here they are all due at once, as one day's
+    rig.db.execute("update mail.campaign set emails_per_day = 1000 where id = %s", (cid,))
     d = rig.dispatch()
     assert d.sent == 50 - len(held)
     assert by_status(rig.db, "outreach_test") == {"holdout": held, "sent": set(range(1, 51)) - held}
