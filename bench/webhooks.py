@@ -158,8 +158,8 @@ def ingestion(dsn: str, quick: bool = False) -> list[dict[str, Any]]:
 
 OUTCOME_TYPES = ("email.delivered", "email.bounced", "email.failed", "email.suppressed")
 """The event that settles an email's outcome; the emulator emits exactly one of them per email."""
-COVERAGE_RATES = {"hard_bounce_rate": 0.02, "soft_bounce_rate": 0.01, "failed_rate": 0.001, "delayed_rate": 0.02,
-                  "complaint_rate": 0.001, "open_rate": 0.30, "click_rate": 0.05}
+COVERAGE_RATES = {"hard_bounce_rate": 0.005, "soft_bounce_rate": 0.01, "failed_rate": 0.001, "delayed_rate": 0.02,
+                  "complaint_rate": 0.0001, "open_rate": 0.30, "click_rate": 0.05}
 """The emulator's seeded lifecycle rates in the coverage run (about 2.4 events per email)."""
 EVENT_SPREAD_S = 60.0
 WITHIN_S = 300.0

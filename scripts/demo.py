@@ -57,6 +57,7 @@ from mailflow.store.migrate import migrate
 from mailflow_dev import devenv
 from mailflow_dev.demo.loader import load_demo_data
 from mailflow_dev.webhooks import (
+    DEMO_GUARD,
     DEMO_LIFECYCLE,
     Accounting,
     ReceiverProcess,
@@ -130,6 +131,8 @@ def main() -> int:
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="if another demo is running, wait up to this long instead of refusing at once")
     args = p.parse_args()
+    for var, value in DEMO_GUARD.items():  # the receiver and the lifecycle run judge the demo list alike
+        os.environ.setdefault(var, value)
     STATE.mkdir(parents=True, exist_ok=True)
     try:
         with devenv.exclusive("demo", wait=args.wait):

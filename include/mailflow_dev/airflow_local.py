@@ -42,6 +42,7 @@ from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy.engine import URL
 
 from mailflow.emulator.testing import free_port  # noqa: F401  (re-exported for the e2e tier)
+from mailflow_dev.webhooks import DEMO_GUARD
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: include/mailflow_dev/<this file>
 VENV_BIN = Path(sys.executable).parent
@@ -612,6 +613,7 @@ def up(port: int = 8080, timeout: float = 300.0) -> int:
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(here / "passwords.json"),
             "MAILFLOW_DEMO_STATE": str(devenv.STATE),
+            **{var: os.environ.get(var, value) for var, value in DEMO_GUARD.items()},
         })
         try:
             airflow_cli(env, "db", "migrate", timeout=600)
